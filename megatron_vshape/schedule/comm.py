@@ -1,0 +1,134 @@
+"""Communication derived from compute op lists: the one matching rule.
+
+The runtime and the verifier both use this module, so what the verifier proves
+deadlock-free is exactly what the runtime executes.
+
+The rule:
+  * After F(m)@s, the activation goes to stage s+1; after B(m)@s or BW(m)@s, the input
+    gradient goes to stage s-1.  When both stages live on the same rank (the V's turn on
+    rank p-1) the tensor is handed over locally: no message.
+  * Every ordered rank pair (src, dst) is one FIFO channel.  The sender posts its messages
+    on the channel in the order its op list produces them, right after the producing op,
+    and never waits for them before the end of the step.
+  * The receiver takes messages off each incoming channel strictly in channel order.
+    Before an op that consumes a message, it receives every not-yet-received message of
+    that channel up to and including the one it needs, keeping the earlier ones for the
+    ops that will consume them (they may arrive in a different order than they are
+    consumed, e.g. activations and gradients sharing a channel in the V shape).
+  * A schedule is deadlock-free iff executing all ranks' lists under this rule, with
+    sends that never block and receives that block, finishes.  `verify` checks that.
+
+Each direction of a rank pair is its own channel, so the runtime gives each direction its
+own communicator: a blocked send in one direction cannot stall a receive in the other
+(this is what goes wrong with same-peer batched p2p at pp=2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .ops import B, BACKWARD_KINDS, BW, F, Op, Placement, Schedule, W
+
+ACT, GRAD = "act", "grad"
+
+
+@dataclass(frozen=True)
+class Message:
+    """A tensor crossing from stage `src_stage` to `dst_stage` for one microbatch."""
+
+    kind: str  # ACT (forward activation) or GRAD (input gradient)
+    microbatch: int
+    src_stage: int
+    dst_stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}:{self.src_stage}->{self.dst_stage}"
+
+
+def output_message(op: Op, num_stages: int) -> Optional[Message]:
+    """The tensor `op` produces for a neighbouring stage, if any (local or remote)."""
+    if op.kind == F and op.stage < num_stages - 1:
+        return Message(ACT, op.microbatch, op.stage, op.stage + 1)
+    if op.kind in BACKWARD_KINDS and op.stage > 0:
+        return Message(GRAD, op.microbatch, op.stage, op.stage - 1)
+    return None
+
+
+def input_message(op: Op, num_stages: int) -> Optional[Message]:
+    """The tensor `op` needs from a neighbouring stage, if any."""
+    if op.kind == F and op.stage > 0:
+        return Message(ACT, op.microbatch, op.stage - 1, op.stage)
+    if op.kind in BACKWARD_KINDS and op.stage < num_stages - 1:
+        return Message(GRAD, op.microbatch, op.stage + 1, op.stage)
+    return None
+
+
+def local_predecessor(op: Op) -> Optional[Tuple[str, ...]]:
+    """Op kinds of the same (stage, microbatch) that must run earlier on the same rank."""
+    if op.kind in BACKWARD_KINDS:
+        return (F,)
+    if op.kind == W:
+        return (B,)
+    return None
+
+
+def is_remote(msg: Message, placement: Placement) -> bool:
+    return placement.rank_of(msg.src_stage) != placement.rank_of(msg.dst_stage)
+
+
+@dataclass
+class Step:
+    """One op of a rank's list with the communication around it.
+
+    `recvs`: messages to take off incoming channels before the op (in channel order; may
+    include earlier messages for later ops).  `sends`: remote message to post after it.
+    `local_in`/`local_out`: a tensor handed over on the same rank.
+    """
+
+    op: Op
+    recvs: List[Message]
+    sends: List[Message]
+    local_in: Optional[Message]
+    local_out: Optional[Message]
+
+
+def channels(schedule: Schedule) -> Dict[Tuple[int, int], List[Message]]:
+    """Every remote channel (src_rank, dst_rank) and its messages in sender order."""
+    pl, S = schedule.placement, schedule.num_stages
+    out: Dict[Tuple[int, int], List[Message]] = {}
+    for rank, ops in enumerate(schedule.ranks):
+        for op in ops:
+            msg = output_message(op, S)
+            if msg is not None and is_remote(msg, pl):
+                out.setdefault((rank, pl.rank_of(msg.dst_stage)), []).append(msg)
+    return out
+
+
+def rank_plan(schedule: Schedule, rank: int, chans: Optional[Dict] = None) -> List[Step]:
+    """The steps `rank` executes: its ops with the receives and sends the rule derives."""
+    pl, S = schedule.placement, schedule.num_stages
+    chans = channels(schedule) if chans is None else chans
+    incoming = {src: msgs for (src, dst), msgs in chans.items() if dst == rank}
+    position = {src: {m: i for i, m in enumerate(msgs)} for src, msgs in incoming.items()}
+    received = {src: 0 for src in incoming}
+    steps: List[Step] = []
+    for op in schedule.ranks[rank]:
+        recvs: List[Message] = []
+        need = input_message(op, S)
+        local_in = None
+        if need is not None:
+            if is_remote(need, pl):
+                src = pl.rank_of(need.src_stage)
+                idx = position.get(src, {}).get(need)
+                if idx is None:
+                    raise KeyError(f"rank {rank}: {op} needs {need}, which rank {src} never sends")
+                if idx >= received[src]:
+                    recvs = incoming[src][received[src] : idx + 1]
+                    received[src] = idx + 1
+            else:
+                local_in = need
+        out = output_message(op, S)
+        sends = [out] if out is not None and is_remote(out, pl) else []
+        local_out = out if out is not None and not is_remote(out, pl) else None
+        steps.append(Step(op, recvs, sends, local_in, local_out))
+    return steps

@@ -1,0 +1,133 @@
+"""Eager timeline of a schedule under its costs, and the figures derived from it.
+
+Each rank runs its list in order; an op starts when its rank is free and its inputs have
+arrived.  A hop between ranks costs C; a hand-over on the same rank (the V's turn on rank
+p-1) costs nothing.  All ranks start together at t=0 (one synchronous iteration).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .comm import input_message, is_remote
+from .ops import BACKWARD_KINDS, F, RELEASE_KINDS, W, Op, Schedule
+
+Key = Tuple[str, int, int]  # ("F" | "G" (B or BW) | "W", microbatch, stage)
+
+
+class Deadlock(RuntimeError):
+    """Some rank waits forever: the op lists cannot run under the matching rule."""
+
+
+def _key(op: Op) -> Key:
+    return ("G" if op.kind in BACKWARD_KINDS else op.kind, op.microbatch, op.stage)
+
+
+def _dependencies(op: Op, schedule: Schedule) -> List[Tuple[Key, bool]]:
+    """(key of a producing op, crosses ranks?) for every input of `op`."""
+    deps: List[Tuple[Key, bool]] = []
+    msg = input_message(op, schedule.num_stages)
+    if msg is not None:
+        src = ("F" if op.kind == F else "G", msg.microbatch, msg.src_stage)
+        deps.append((src, is_remote(msg, schedule.placement)))
+    if op.kind in BACKWARD_KINDS:
+        deps.append((("F", op.microbatch, op.stage), False))
+    elif op.kind == W:
+        deps.append((("G", op.microbatch, op.stage), False))
+    return deps
+
+
+def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
+    """Execute every rank's list eagerly; return (op, start, end) per rank, or raise Deadlock."""
+    costs, pp = schedule.costs, schedule.pp
+    end: Dict[Key, float] = {}
+    timeline: List[List[Tuple[Op, float, float]]] = [[] for _ in range(pp)]
+    pos, free = [0] * pp, [0.0] * pp
+    waiters: Dict[Key, List[int]] = {}
+    queue = deque(range(pp))
+    while queue:
+        r = queue.popleft()
+        ops = schedule.ranks[r]
+        while pos[r] < len(ops):
+            op = ops[pos[r]]
+            start, blocked = free[r], None
+            for key, remote in _dependencies(op, schedule):
+                if key not in end:
+                    blocked = key
+                    break
+                start = max(start, end[key] + (costs.C if remote else 0.0))
+            if blocked is not None:
+                waiters.setdefault(blocked, []).append(r)
+                break
+            finish = start + costs.of(op.kind)
+            key = _key(op)
+            if key in end:
+                raise Deadlock(f"rank {r}: {op} runs a second time")
+            end[key] = finish
+            free[r] = finish
+            timeline[r].append((op, start, finish))
+            pos[r] += 1
+            queue.extend(waiters.pop(key, ()))
+    stuck = [f"rank {r} waits at {schedule.ranks[r][pos[r]]}" for r in range(pp) if pos[r] < len(schedule.ranks[r])]
+    if stuck:
+        raise Deadlock("; ".join(stuck[:8]) + (f" (and {len(stuck) - 8} more)" if len(stuck) > 8 else ""))
+    return timeline
+
+
+def peak_activations(schedule: Schedule) -> List[int]:
+    """Per rank, the most stage-activations alive at once (+1 at F, -1 when W or BW ends).
+
+    A rank runs its ops one after another, so list order is time order.
+    """
+    peaks = []
+    for ops in schedule.ranks:
+        live = peak = 0
+        for op in ops:
+            if op.kind == F:
+                live += 1
+                peak = max(peak, live)
+            elif op.kind in RELEASE_KINDS:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def peak_vs_1f1b(schedule: Schedule, peaks: Optional[List[int]] = None) -> List[float]:
+    """Peak activations scaled by layers per stage so that 1F1B's rank 0 is 1.0."""
+    peaks = peak_activations(schedule) if peaks is None else peaks
+    ref = min(schedule.pp, schedule.microbatches) * schedule.placement.chunks
+    return [p / ref for p in peaks]
+
+
+@dataclass
+class SimResult:
+    timeline: List[List[Tuple[Op, float, float]]]
+    makespan: float
+    busy: List[float]
+    bubble_rate: float
+    span_bubble_rate: float
+    peak_activations: List[int]
+    peak_vs_1f1b: List[float]
+
+    def to_dict(self) -> dict:
+        return {
+            "makespan": self.makespan,
+            "bubble_rate": self.bubble_rate,
+            "span_bubble_rate": self.span_bubble_rate,
+            "peak_activations": self.peak_activations,
+            "peak_vs_1f1b": self.peak_vs_1f1b,
+        }
+
+
+def simulate(schedule: Schedule) -> SimResult:
+    timeline = run_lists(schedule)
+    makespan = max((t[-1][2] for t in timeline if t), default=0.0)
+    busy = [sum(e - s for _, s, e in t) for t in timeline]
+    top = max(busy)
+    bubble = 1.0 - top / makespan if makespan > 0 else 0.0
+    # Span bubble: each rank over its own first-start..last-end, worst rank reported.
+    spans = [(t[-1][2] - t[0][1]) if t else 0.0 for t in timeline]
+    span_bubble = max((1.0 - b / s) for b, s in zip(busy, spans) if s > 0) if any(spans) else 0.0
+    peaks = peak_activations(schedule)
+    return SimResult(timeline, makespan, busy, bubble, max(span_bubble, 0.0), peaks, peak_vs_1f1b(schedule, peaks))

@@ -1,0 +1,74 @@
+"""Checks that a schedule is complete, correctly placed, ordered and deadlock-free."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import List
+
+from .comm import channels, rank_plan
+from .errors import ConfigError
+from .ops import B, BW, F, W, Schedule
+from .simulate import Deadlock, run_lists
+
+
+class InvalidSchedule(ConfigError):
+    """The op lists cannot be executed correctly; the message lists the problems."""
+
+
+def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
+    """Every problem found, as readable lines (empty when the schedule is valid)."""
+    pl, S, m = schedule.placement, schedule.num_stages, schedule.microbatches
+    out: List[str] = []
+    if len(schedule.ranks) != pl.pp:
+        return [f"{len(schedule.ranks)} op lists for pp={pl.pp}"]
+    counts: Counter = Counter()
+    for rank, ops in enumerate(schedule.ranks):
+        seen = set()
+        for op in ops:
+            if not (0 <= op.stage < S and 0 <= op.microbatch < m):
+                out.append(f"rank {rank}: {op} is outside stages 0..{S - 1} / microbatches 0..{m - 1}")
+                continue
+            if pl.rank_of(op.stage) != rank:
+                out.append(f"rank {rank}: {op} belongs to rank {pl.rank_of(op.stage)}")
+            if forward_only and op.kind != F:
+                out.append(f"rank {rank}: {op} in a forward-only schedule")
+            need = {B: (F,), BW: (F,), W: (B,)}.get(op.kind, ())
+            for kind in need:
+                if (kind, op.microbatch, op.stage) not in seen:
+                    out.append(f"rank {rank}: {op} comes before {kind}{op.microbatch}@{op.stage}")
+            seen.add((op.kind, op.microbatch, op.stage))
+            counts[(op.kind, op.microbatch, op.stage)] += 1
+    for s in range(S):
+        for mb in range(m):
+            f, b, w, bw = (counts[(k, mb, s)] for k in (F, B, W, BW))
+            if f != 1:
+                out.append(f"F{mb}@{s} appears {f} times, expected once")
+            if forward_only:
+                continue
+            if not ((b == 1 and w == 1 and bw == 0) or (b == 0 and w == 0 and bw == 1)):
+                out.append(f"microbatch {mb} stage {s}: B x{b}, W x{w}, BW x{bw}; expected one B and one W, or one BW")
+    if out:
+        return out
+    try:
+        chans = channels(schedule)
+        for rank in range(pl.pp):
+            rank_plan(schedule, rank, chans)
+        run_lists(schedule)
+    except (Deadlock, KeyError) as exc:
+        out.append(f"deadlock under the matching rule: {exc}")
+    return out
+
+
+def verify(schedule: Schedule, forward_only: bool = False) -> Schedule:
+    """Return `schedule` unchanged if valid; raise InvalidSchedule listing the problems."""
+    found = problems(schedule, forward_only)
+    if found:
+        head = "\n  ".join(found[:20])
+        more = f"\n  ... and {len(found) - 20} more" if len(found) > 20 else ""
+        raise InvalidSchedule(f"schedule {schedule.name!r} (pp={schedule.pp}, microbatches={schedule.microbatches}) is invalid:\n  {head}{more}")
+    return schedule
+
+
+def forward_only_view(schedule: Schedule) -> Schedule:
+    """The same schedule with backward ops removed (evaluation runs forward ops only)."""
+    ranks = [[op for op in ops if op.kind == F] for ops in schedule.ranks]
+    return Schedule(schedule.name, schedule.placement, schedule.microbatches, schedule.costs, ranks, dict(schedule.meta))

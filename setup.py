@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_vshape",
+    version="0.1.0",
+    description="V-shape pipeline schedules (V-Min, V-Half, V-ZB) with controllable memory for Megatron-core",
+    packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
+    python_requires=">=3.10",
+    # The schedule engine and planner need nothing; the runtime needs torch and megatron-core,
+    # which users bring (CUDA builds on clusters). requirements-cpu.txt pins the CPU test stack.
+    extras_require={
+        "runtime": ["torch>=2.4", "megatron-core>=0.16.1"],
+        "plots": ["matplotlib"],
+        # GPU clusters only: Transformer Engine and apex are imported lazily when present.
+        "te": ["transformer-engine[pytorch]>=2.3"],
+    },
+    entry_points={"console_scripts": ["megatron-vshape=megatron_vshape.cli:main"]},
+)
