@@ -1,0 +1,1 @@
+"""V-shape schedules of the paper: V-ZB, V-Half, V-Min."""
