@@ -1,0 +1,179 @@
+"""Spawn N ranks as local processes with a hard time bound, and collect their results.
+
+Used by the distributed tests, `megatron-vshape verify` and the CPU benchmarks.
+
+API
+---
+``launch(fn, world_size, args=(), kwargs=None, *, timeout=120.0, backend=None,
+         env=None, threads=1, pg_timeout=None) -> list``
+
+* ``fn`` must be a module-level (picklable) function.  It is called in every rank as
+  ``fn(rank, world_size, *args, **kwargs)`` after ``torch.distributed`` is initialised
+  (default process group of ``world_size`` ranks on 127.0.0.1).  Its return value must be
+  picklable (move tensors to CPU first); ``launch`` returns the list of return values
+  indexed by rank.
+* ``backend``: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA has at least
+  ``world_size`` devices, else gloo.  Under NCCL each rank calls
+  ``torch.cuda.set_device(rank % device_count)`` before ``fn``.
+* ``timeout`` (seconds): the whole launch, start-up included.  When it passes, every rank
+  still running is killed and ``LaunchError`` names them.  ``pg_timeout`` (seconds, default
+  ``timeout``) bounds each collective inside the ranks.
+* A rank that raises, or dies without a result (segfault, ``os._exit``, OOM kill), makes
+  ``launch`` kill the others and raise ``LaunchError`` naming that rank, with its traceback
+  or exit code.  ``launch`` never hangs.
+* ``env``: extra environment variables set in every rank before ``torch.distributed``
+  starts.  ``threads``: ``torch.set_num_threads`` per rank (1 keeps N ranks on few cores
+  from oversubscribing).
+
+Rendezvous uses a ``TCPStore`` the parent opens on a free port (port 0), so concurrent
+launches (parallel test runs, several engineers) never race for a port.
+
+``init_megatron(tp=1, pp=1, seed=1234)`` is a helper for ``fn``: it initialises
+megatron-core's model-parallel groups and its tensor-parallel RNG tracker (CPU-safe), and
+``destroy_megatron()`` undoes it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+HOST = "127.0.0.1"
+
+
+class LaunchError(RuntimeError):
+    """A rank failed, died, or the launch ran past its time bound."""
+
+
+def default_backend(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, pg_timeout, results):
+    try:
+        os.environ.update(env)
+        os.environ.update({"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(rank),
+                           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+        import torch
+        import torch.distributed as dist
+
+        if threads:
+            torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+        out = fn(rank, world_size, *args, **kwargs)
+    except BaseException:
+        # Report before tearing the group down: the teardown makes the peers fail too, and
+        # the parent names the rank whose error arrives first.
+        results.put(("error", rank, traceback.format_exc()))
+        time.sleep(0.5)
+        raise SystemExit(1)
+    results.put(("ok", rank, out))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[Dict] = None, *,
+           timeout: float = 120.0, backend: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+           threads: int = 1, pg_timeout: Optional[float] = None) -> List[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    backend = backend or default_backend(world_size)
+    pg_timeout = float(pg_timeout or timeout)
+    # The parent owns the rendezvous store: port 0 lets the OS choose a free port atomically.
+    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=pg_timeout))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+                        args=(fn, rank, world_size, store.port, backend, tuple(args), dict(kwargs or {}),
+                              dict(env or {}), threads, pg_timeout, results))
+        p.start()
+        procs.append(p)
+
+    out: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    dead_since: Dict[int, float] = {}
+    try:
+        while len(out) < world_size:
+            # Drain results first: a child cannot exit before its queued result is read.
+            try:
+                status, rank, value = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                status = None
+            if status == "error":
+                raise LaunchError(f"rank {rank} of {world_size} failed:\n{value}{_other_errors(results, rank)}")
+            if status == "ok":
+                out[rank] = value
+                continue
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank in out or p.is_alive():
+                    continue
+                # Dead without a result: give the queue a moment in case the result is in flight.
+                first = dead_since.setdefault(rank, now)
+                if now - first > 2.0:
+                    raise LaunchError(f"rank {rank} of {world_size} died without a result "
+                                      f"(exit code {p.exitcode}); see its output above")
+            if now > deadline:
+                missing = [r for r in range(world_size) if r not in out]
+                raise LaunchError(f"launch timed out after {timeout:.0f}s: rank(s) {missing} of {world_size} "
+                                  f"did not finish (hung or too slow); all ranks were killed")
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        del store
+
+
+def _other_errors(results, first: int, grace: float = 1.0) -> str:
+    """Errors other ranks report just after the first one (usually its consequences)."""
+    lines, end = [], time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            status, rank, value = results.get(timeout=max(0.0, end - time.monotonic()))
+        except queue_mod.Empty:
+            break
+        if status == "error" and rank != first:
+            lines.append(f"rank {rank} also failed: {value.strip().splitlines()[-1]}")
+    return ("\n" + "\n".join(lines)) if lines else ""
+
+
+def init_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, **options) -> None:
+    """Initialise megatron-core's parallel groups and its TP RNG tracker inside a launched rank."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             **options)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_megatron() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
