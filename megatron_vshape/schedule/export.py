@@ -1,0 +1,118 @@
+"""Schedules to and from files: DESIGN.md's JSON format and torch.distributed.pipelining's CSV.
+
+JSON (stable, other tools read it): the per-rank compute op lists with the simulated figures.
+torch-csv: one row per rank, one action per cell, as `_PipelineScheduleRuntime._load_csv`
+(format "compute_only") reads it: `{stage}{type}{microbatch}` with torch's letters
+F (forward), I (input-gradient backward), W (weight-gradient backward), B (full backward).
+Torch lowers the compute actions to send/recv itself, so no communication is written.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from typing import Dict, List, Optional
+
+from .errors import ConfigError
+from .ops import B, BW, F, W, Costs, Op, Placement, Schedule
+from .simulate import SimResult, simulate
+from .verify import verify
+
+FORMATS = ("json", "torch-csv")
+
+# Our op kinds -> torch's computation types; torch's "B" is our combined BW.
+TORCH_LETTER = {F: "F", B: "I", W: "W", BW: "B"}
+FROM_TORCH_LETTER = {v: k for k, v in TORCH_LETTER.items()}
+_TORCH_ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
+
+
+def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
+    """DESIGN.md's export format (plus `chunks`), with the figures of one simulation."""
+    sim = simulate(schedule) if sim is None else sim
+    return {
+        "schedule": schedule.name,
+        "pp": schedule.pp,
+        "microbatches": schedule.microbatches,
+        "placement": schedule.placement.kind,
+        "chunks": schedule.placement.chunks,
+        "costs": schedule.costs.to_dict(),
+        "ranks": [[op.to_dict() for op in ops] for ops in schedule.ranks],
+        **sim.to_dict(),
+    }
+
+
+def to_json(schedule: Schedule, sim: Optional[SimResult] = None) -> str:
+    return json.dumps(to_dict(schedule, sim), indent=None, separators=(", ", ": ")) + "\n"
+
+
+def from_dict(data: dict) -> Schedule:
+    """Read an exported schedule back; the result is verified (figures are recomputed, not trusted)."""
+    try:
+        pp = int(data["pp"])
+        ranks = [[Op(d["op"], int(d["microbatch"]), int(d["stage"])) for d in ops] for ops in data["ranks"]]
+        kind = data["placement"]
+        stages = 1 + max((op.stage for ops in ranks for op in ops), default=0)
+        chunks = int(data.get("chunks") or -(-stages // pp))
+        costs = Costs(**{k: float(v) for k, v in data.get("costs", {}).items()})
+        schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"not a schedule export (DESIGN.md format): {type(exc).__name__}: {exc}") from None
+    return verify(schedule)
+
+
+def load_json(path: str) -> Schedule:
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not JSON ({exc})") from None
+    return from_dict(data)
+
+
+def to_torch_rows(schedule: Schedule) -> List[List[str]]:
+    return [[f"{op.stage}{TORCH_LETTER[op.kind]}{op.microbatch}" for op in ops] for ops in schedule.ranks]
+
+
+def to_torch_csv(schedule: Schedule) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(to_torch_rows(schedule))
+    return buf.getvalue()
+
+
+def parse_torch_csv(text: str) -> List[List[Op]]:
+    """Per-rank ops of a compute-only torch CSV (the inverse of to_torch_csv)."""
+    ranks: List[List[Op]] = []
+    for row in csv.reader(io.StringIO(text)):
+        ops = []
+        for cell in row:
+            cell = cell.strip()
+            if not cell:
+                continue
+            m = _TORCH_ACTION.match(cell)
+            if not m:
+                raise ConfigError(f"torch CSV action {cell!r} is not a compute action like 3F0, 3I0, 3W0 or 3B0")
+            ops.append(Op(FROM_TORCH_LETTER[m.group(2)], int(m.group(3)), int(m.group(1))))
+        ranks.append(ops)
+    return ranks
+
+
+def render(schedule: Schedule, fmt: str, sim: Optional[SimResult] = None) -> str:
+    if fmt == "json":
+        return to_json(schedule, sim)
+    if fmt == "torch-csv":
+        return to_torch_csv(schedule)
+    raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def write(schedule: Schedule, path: str, fmt: str = "json", sim: Optional[SimResult] = None) -> None:
+    text = render(schedule, fmt, sim)
+    with open(path, "w", newline="") as f:
+        f.write(text)
+
+
+def stage_to_rank(schedule: Schedule) -> Dict[int, int]:
+    """The stage -> rank map torch infers from the CSV (handy for building PipelineStages)."""
+    return {s: schedule.placement.rank_of(s) for s in range(schedule.num_stages)}
