@@ -15,15 +15,17 @@ from .ops import Costs
 class Prediction:
     bubble_rate: Optional[float] = None
     bubble_formula: str = ""
-    peak_vs_1f1b: Optional[float] = None  # an upper bound for the V-shapes and ZB-H2
+    peak_vs_1f1b: Optional[float] = None
     memory_formula: str = ""
+    memory_is_bound: bool = False  # the V-shapes and ZB-H2 promise "at most", not "exactly"
 
     def text(self) -> str:
         parts = []
         if self.bubble_rate is not None:
-            parts.append(f"bubble {self.bubble_formula}={self.bubble_rate:.2%}")
+            parts.append(f"bubble {self.bubble_formula} = {self.bubble_rate:.2%}")
         if self.peak_vs_1f1b is not None:
-            parts.append(f"mem {self.memory_formula}={self.peak_vs_1f1b:.3g}")
+            formula = f"{self.memory_formula} = " if self.memory_formula else ""
+            parts.append(f"mem {'<= ' if self.memory_is_bound else ''}{formula}{self.peak_vs_1f1b:.3g}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:
@@ -32,6 +34,7 @@ class Prediction:
             "bubble_formula": self.bubble_formula or None,
             "peak_vs_1f1b": self.peak_vs_1f1b,
             "memory_formula": self.memory_formula or None,
+            "memory_is_bound": self.memory_is_bound,
         }
 
 
@@ -42,7 +45,7 @@ def predict(name: str, pp: int, microbatches: int, costs: Costs = Costs(), chunk
     unit = no_hop and costs.F == costs.B == costs.W
     if name == "1f1b":
         # Makespan (m+p-1)(F+B+W) whatever F, B, W are, as long as hops are free.
-        return Prediction((p - 1) / (m + p - 1) if no_hop else None, "(p-1)/(m+p-1)", 1.0, "1")
+        return Prediction((p - 1) / (m + p - 1) if no_hop else None, "(p-1)/(m+p-1)", 1.0)
     if name == "1f1b-interleaved":
         g = group or p
         warm = min(m * chunks, 2 * (p - 1) + (chunks - 1) * g)
@@ -52,16 +55,16 @@ def predict(name: str, pp: int, microbatches: int, costs: Costs = Costs(), chunk
         )
     if name == "zb-h1":
         ok = unit and m >= p
-        return Prediction((p - 1) / (3 * m + p - 1) if ok else None, "(p-1)/(3m+p-1)", 1.0, "1")
+        return Prediction((p - 1) / (3 * m + p - 1) if ok else None, "(p-1)/(3m+p-1)", 1.0)
     if name == "zb-h2":
-        return Prediction(None, "", 2.0, "<=2")
+        return Prediction(None, "", 2.0, "", True)
     if name == "v-zb":
         # Per-stage costs are half the user's; the start-up of one synchronous iteration.
         f, b, w = costs.F / 2, costs.B / 2, costs.W / 2
         bubble = (p - 1) * f / ((p - 1) * f + 2 * m * (f + b + w)) if unit else None
-        return Prediction(bubble, "(p-1)F/((p-1)F+2m(F+B+W))", 1.0, "<=1")
+        return Prediction(bubble, "(p-1)F/((p-1)F+2m(F+B+W))", 1.0, "", True)
     if name == "v-half":
-        return Prediction(None, "", ((p + 2) // 2) / p, "<=((p+2)//2)/p")
+        return Prediction(None, "", ((p + 2) // 2) / p, "((p+2)//2)/p", True)
     if name == "v-min":
-        return Prediction(None, "", ((p + 4) // 3) / p, "<=((p+4)//3)/p")
+        return Prediction(None, "", ((p + 4) // 3) / p, "((p+4)//3)/p", True)
     return Prediction()

@@ -1,0 +1,224 @@
+"""`megatron-vshape`: plan, compare and export pipeline schedules (no torch needed).
+
+Each subcommand is one function taking the parsed arguments and returning an exit code;
+main() only parses and dispatches.  Configuration mistakes print one line on stderr and
+exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Optional
+
+from .schedule import registry
+from .schedule.errors import ConfigError
+from .schedule.export import FORMATS
+from .schedule.export import to_dict as export_dict
+from .schedule.export import write as export_write
+from .schedule.ops import Costs, Schedule
+from .schedule.predictions import predict
+from .schedule.simulate import SimResult, simulate
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _costs(text: Optional[str]) -> Costs:
+    return Costs() if text is None else Costs.parse(text)
+
+
+def _options(args: argparse.Namespace) -> Dict[str, object]:
+    """Schedule options the user gave (only those; defaults stay the generator's)."""
+    return {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
+
+
+def build(name: str, pp: int, microbatches: int, costs: Costs, options: Dict[str, object]) -> Schedule:
+    """registry.build, but an option the schedule does not take is a ConfigError, not a TypeError."""
+    fn = registry.generator(name)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(k for k in options if k not in params)
+        if unknown:
+            raise ConfigError(f"{name}: does not take option(s) {', '.join('--' + k for k in unknown)}")
+    return registry.build(name, pp, microbatches, costs, **options)
+
+
+def summary(schedule: Schedule, sim: SimResult) -> dict:
+    """The export's figures without the op lists, plus the papers' prediction."""
+    out = {k: v for k, v in export_dict(schedule, sim).items() if k != "ranks"}
+    out["prediction"] = _prediction(schedule.name, schedule.pp, schedule.microbatches, schedule, None).to_dict()
+    return out
+
+
+def _prediction(name: str, pp: int, m: int, schedule: Optional[Schedule], costs: Optional[Costs]):
+    user_costs = costs
+    if schedule is not None:  # recover the user's per-rank costs from the per-stage ones
+        c, k = schedule.costs, schedule.placement.chunks
+        user_costs = Costs(c.F * k, c.B * k, c.W * k, c.C)
+    meta = schedule.meta if schedule is not None else {}
+    return predict(name, pp, m, user_costs or Costs(), chunks=int(meta.get("chunks", 2)), group=int(meta.get("group", 0)))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    schedule = build(args.schedule, args.pp, args.microbatches, _costs(args.costs), _options(args))
+    sim = simulate(schedule)
+    written: List[str] = []
+    if args.export:
+        _mkdir_for(args.export)
+        export_write(schedule, args.export, "json", sim)
+        written.append(args.export)
+    if args.picture:
+        from .schedule.render import write_picture
+
+        written += write_picture(schedule, args.picture, sim)
+    if args.json:
+        out = summary(schedule, sim)
+        out["written"] = written
+        print(json.dumps(out, indent=2))
+        return 0
+    c = schedule.costs
+    pred = _prediction(schedule.name, schedule.pp, schedule.microbatches, schedule, None)
+    print(f"schedule          {schedule.name}  (placement {schedule.placement.kind}, {schedule.placement.chunks} chunk(s) per rank)")
+    print(f"pp, microbatches  {schedule.pp}, {schedule.microbatches}")
+    print(f"per-stage costs   F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
+    print(f"makespan          {sim.makespan:g}")
+    print(f"bubble rate       {_pct(sim.bubble_rate)}")
+    print(f"span bubble rate  {_pct(sim.span_bubble_rate)}")
+    print(f"peak activations  {' '.join(str(p) for p in sim.peak_activations)}  (stage-activations per rank)")
+    print(f"peak vs 1F1B      {' '.join(f'{v:.3g}' for v in sim.peak_vs_1f1b)}  (max {max(sim.peak_vs_1f1b):.3g})")
+    if pred.text():
+        print(f"paper predicts    {pred.text()}")
+    if args.text:
+        from .schedule.render import text
+
+        print(text(schedule, sim))
+    for path in written:
+        print(f"wrote             {path}")
+    return 0
+
+
+def compare_rows(pp: int, microbatches: int, costs: Costs) -> List[dict]:
+    """One row per registered schedule; a schedule that cannot serve the sizes gives its reason."""
+    rows = []
+    for name in registry.names():
+        row: dict = {"schedule": name}
+        try:
+            schedule = registry.build(name, pp, microbatches, costs)
+        except ConfigError as exc:
+            row["error"] = str(exc)
+            row["prediction"] = _prediction(name, pp, microbatches, None, costs).to_dict()
+            rows.append(row)
+            continue
+        sim = simulate(schedule)
+        pred = _prediction(name, pp, microbatches, schedule, None)
+        row.update(
+            placement=schedule.placement.kind,
+            bubble_rate=sim.bubble_rate,
+            span_bubble_rate=sim.span_bubble_rate,
+            peak_vs_1f1b=max(sim.peak_vs_1f1b),
+            makespan=sim.makespan,
+            prediction=pred.to_dict(),
+            prediction_text=pred.text(),
+        )
+        rows.append(row)
+    return rows
+
+
+def format_table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    costs = _costs(args.costs)
+    rows = compare_rows(args.pp, args.microbatches, costs)
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(), "rows": rows}, indent=2))
+        return 0
+    base = next((r["makespan"] for r in rows if r["schedule"] == "1f1b" and "makespan" in r), None)
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["schedule"], "-", "-", "-", "-", "-", "cannot serve: " + r["error"].splitlines()[0]])
+            continue
+        vs = f"{r['makespan'] / base:.3f}" if base else "-"
+        table.append(
+            [r["schedule"], _pct(r["bubble_rate"]), _pct(r["span_bubble_rate"]), f"{r['peak_vs_1f1b']:.3g}",
+             f"{r['makespan']:g}", vs, r["prediction_text"]]
+        )
+    c = costs
+    print(f"pp={args.pp}  microbatches={args.microbatches}  costs per rank F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
+    print(format_table(["schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B", "paper predicts"], table))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    schedule = build(args.schedule, args.pp, args.microbatches, _costs(args.costs), _options(args))
+    _mkdir_for(args.output)
+    export_write(schedule, args.output, args.format)
+    print(f"wrote {args.output} ({args.format}, {schedule.name}, pp={schedule.pp}, microbatches={schedule.microbatches})")
+    return 0
+
+
+def _mkdir_for(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
+    if schedule:
+        p.add_argument("--schedule", required=True, help="one of: " + ", ".join(registry.names()))
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
+    p.add_argument("--costs", help="F,B,W[,C] for one rank's share of the model (default 1,1,1,0)")
+    if schedule:
+        p.add_argument("--chunks", type=int, help="model chunks per rank (1f1b-interleaved; default 2)")
+        p.add_argument("--group", type=int, help="Megatron's microbatch_group_size_per_vp_stage (1f1b-interleaved; default pp)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-vshape", description="Plan V-shape and baseline pipeline schedules.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="one schedule: bubble rates, makespan, per-rank peak memory")
+    _sizes(p, schedule=True)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--export", metavar="PATH", help="write the schedule in DESIGN.md's JSON format")
+    p.add_argument("--picture", metavar="PATH", help="draw the timeline to SVG (+PNG next to it with matplotlib)")
+    p.add_argument("--text", action="store_true", help="also draw the timeline in the terminal")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("compare", help="every registered schedule side by side")
+    _sizes(p, schedule=False)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(run=cmd_compare)
+
+    p = sub.add_parser("export", help="write a schedule as JSON or as torch.distributed.pipelining CSV")
+    _sizes(p, schedule=True)
+    p.add_argument("--format", choices=FORMATS, default="json")
+    p.add_argument("--output", required=True, metavar="PATH")
+    p.set_defaults(run=cmd_export)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"megatron-vshape {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
