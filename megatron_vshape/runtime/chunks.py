@@ -1,0 +1,234 @@
+"""This rank's megatron-core GPTModel chunks for a placement (single, loop or v).
+
+How V-shape layer numbers work.  megatron-core numbers a chunk's layers with
+`get_transformer_layer_offset(config, vp_stage)`, and both it and `get_num_layers_to_build` defer
+to `config.pipeline_model_parallel_layout` when one is set.  Its stock layout enumerates stages in
+loop order (stage = vp_stage * p + pp_rank).  For the V we install `VShapeLayerLayout`, a subclass
+whose offset for (pp_rank, vp_stage) is the layer count of all stages before the V stage
+`placement.stage_of(pp_rank, vp_stage)` (chunk 1 of rank r holds stage 2p-1-r).  So layer
+numbers, and the keys of Megatron's sharded (checkpoint) state dict, equal the non-pipelined
+model's, and every megatron-core code path that asks for offsets agrees.  The interleaved (loop)
+placement uses megatron-core's own virtual-pipeline arithmetic unchanged.
+
+Inside megatron-core a V run needs virtual_pipeline_model_parallel_size=2 (in parallel_state and
+the config, so chunks pass vp_stage 0/1), and an embedding group holding only the first pipeline
+rank (`embedding_ranks_for`): the embedding (stage 0) and the output layer (stage 2p-1) both live on
+rank 0, so tied weights are ONE parameter there, owned by chunk 0; chunk 1 borrows it for its output
+layer without registering it, so optimizers and DDP see it once, its gradient sums both uses through
+autograd, and finalize_model_grads' embedding all-reduce is a no-op (group of one).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Callable, Iterator, List, Optional, Tuple, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Placement
+
+
+class VShapeLayerLayout(PipelineParallelLayerLayout):
+    """megatron-core layer layout for the V placement: `layers_per_stage` decoder layers per stage,
+    embedding in stage 0, loss in stage 2p-1, stages ordered along the V."""
+
+    def __init__(self, pp: int, num_layers: int):
+        self.placement = Placement("v", pp, 2)
+        self.pipeline_model_parallel_size = pp
+        self.virtual_pipeline_model_parallel_size = 2
+        per_stage = num_layers // (2 * pp)
+        self.input_data = f"v-shape(pp={pp}, layers_per_stage={per_stage})"
+        by_stage = []
+        for stage in range(2 * pp):
+            types = [LayerType.decoder] * per_stage
+            if stage == 0:
+                types.insert(0, LayerType.embedding)
+            if stage == 2 * pp - 1:
+                types.append(LayerType.loss)
+            by_stage.append(types)
+        self.layout = [[by_stage[s] for s in self.placement.stages_of(r)] for r in range(pp)]
+        self.flatten_layout = [t for types in by_stage for t in types]
+        self._by_stage = by_stage
+
+    def get_layer_offset(self, layer_type=LayerType.decoder, vp_stage=None, pp_rank=None):
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        stage = self.placement.stage_of(pp_rank, vp_stage or 0)
+        return sum(types.count(layer_type) for types in self._by_stage[:stage])
+
+
+def embedding_ranks_for(placement: Placement) -> Callable[[List[int]], List[int]]:
+    """`get_embedding_ranks` for megatron-core's initialize_model_parallel.
+
+    V: only the first pipeline rank (embedding and output layer both live there).  Others:
+    megatron-core's default (first and last).
+    """
+    if placement.kind == "v":
+        return lambda pp_ranks, *_: [pp_ranks[0]]
+    return lambda pp_ranks, *_: parallel_state.default_embedding_ranks(pp_ranks)
+
+
+def check_model_config(config, placement: Placement) -> None:
+    """Raise ConfigError for a model config this placement cannot build."""
+    stages = placement.num_stages
+    if placement.chunks > 1 and placement.pp < 2:
+        raise ConfigError(f"placement {placement.kind!r} with {placement.chunks} chunks needs pp >= 2, got pp={placement.pp}")
+    if config.num_layers % stages:
+        fix = (config.num_layers // stages + 1) * stages
+        what = f"2*pp={stages}" if placement.kind == "v" else f"{stages} stages (pp={placement.pp} x {placement.chunks} chunks)"
+        raise ConfigError(f"num_layers={config.num_layers} is not divisible by {what}; use {fix}")
+    if getattr(config, "mtp_num_layers", None):
+        raise ConfigError(
+            f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported with "
+            f"placement {placement.kind!r}; unset mtp_num_layers"
+        )
+    if config.pipeline_model_parallel_size != placement.pp:
+        raise ConfigError(
+            f"config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but the "
+            f"schedule has pp={placement.pp}; set them equal"
+        )
+    if placement.kind == "v":
+        conflicts = {
+            "pipeline_model_parallel_layout": config.pipeline_model_parallel_layout,
+            "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage,
+            "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage,
+            "account_for_embedding_in_pipeline_split": config.account_for_embedding_in_pipeline_split or None,
+            "account_for_loss_in_pipeline_split": config.account_for_loss_in_pipeline_split or None,
+        }
+        set_ = {k: v for k, v in conflicts.items() if v is not None and not isinstance(v, VShapeLayerLayout)}
+        if set_:
+            raise ConfigError(
+                f"the V placement fixes the layer layout itself (num_layers/(2*pp) layers per stage); "
+                f"unset {', '.join(f'{k}={v}' for k, v in set_.items())}"
+            )
+    vp = config.virtual_pipeline_model_parallel_size
+    want = placement.chunks if placement.chunks > 1 else None
+    if vp is not None and vp != want:
+        raise ConfigError(
+            f"virtual_pipeline_model_parallel_size={vp} conflicts with placement "
+            f"{placement.kind!r} ({placement.chunks} chunk(s) per rank); set it to {want}"
+        )
+
+
+def _check_parallel_state(placement: Placement, tied: bool) -> None:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    want_vp = placement.chunks if placement.chunks > 1 else None
+    if pp != placement.pp or vp != want_vp:
+        raise ConfigError(
+            f"megatron parallel_state has pp={pp}, virtual pp={vp}; placement {placement.kind!r} "
+            f"needs pp={placement.pp}, virtual pp={want_vp}: pass them to initialize_model_parallel"
+        )
+    if placement.kind == "v" and tied and placement.pp > 1:
+        group = parallel_state.get_embedding_group(check_initialized=False)
+        if group is not None and group.size() > 1:
+            raise ConfigError(
+                "tied embeddings on the V placement need an embedding group of the first pipeline "
+                "rank only; pass get_embedding_ranks=embedding_ranks_for(placement) to "
+                "initialize_model_parallel"
+            )
+
+
+def chunk_config(config, placement: Placement):
+    """A copy of `config` with the placement's pipeline settings; all chunks share it."""
+    check_model_config(config, placement)
+    config = copy.copy(config)
+    config.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
+    if placement.kind == "v" and placement.pp > 1:
+        config.pipeline_model_parallel_layout = VShapeLayerLayout(placement.pp, config.num_layers)
+    return config
+
+
+SpecArg = Union[object, Callable[..., object]]
+
+
+def build_model_chunks(
+    config,
+    placement: Placement,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    transformer_layer_spec: Optional[SpecArg] = None,
+    share_embeddings_and_output_weights: bool = False,
+    position_embedding_type: str = "learned_absolute",
+    pp_rank: Optional[int] = None,
+    **gpt_kwargs,
+) -> List[GPTModel]:
+    """Build this pipeline rank's GPTModel chunks, indexed by chunk.
+
+    Chunk c holds global stage `placement.stages_of(pp_rank)[c]`: pre_process on stage 0,
+    post_process (final norm, output layer, loss) on the last stage.  `transformer_layer_spec` is
+    a layer/block spec, or a callable `(config, vp_stage) -> spec` (default: the CPU test spec).
+    megatron parallel_state must be initialised for this placement (see `embedding_ranks_for`).
+    """
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    config = chunk_config(config, placement)
+    _check_parallel_state(placement, share_embeddings_and_output_weights)
+    if transformer_layer_spec is None:
+        from .cpu_spec import cpu_gpt_block_spec
+
+        transformer_layer_spec = cpu_gpt_block_spec
+    if placement.kind == "v" and placement.pp > 1:
+        gpt_kwargs["pg_collection"] = _without_embedding_group(gpt_kwargs.get("pg_collection"))
+    last = placement.num_stages - 1
+    chunks = []
+    for chunk, stage in enumerate(placement.stages_of(pp_rank)):
+        vp_stage = chunk if placement.chunks > 1 else None
+        spec = transformer_layer_spec(config, vp_stage) if callable(transformer_layer_spec) else transformer_layer_spec
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                pre_process=stage == 0,
+                post_process=stage == last,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                position_embedding_type=position_embedding_type,
+                vp_stage=vp_stage,
+                **gpt_kwargs,
+            )
+        )
+    if share_embeddings_and_output_weights and placement.kind == "v" and placement.pp > 1 and pp_rank == 0:
+        _tie_output_to_embedding(chunks[1], chunks[0])
+    return chunks
+
+
+def _without_embedding_group(pg_collection):
+    """The V needs no embedding group (both ends on rank 0): with none, megatron-core's set-up
+    skips its initial embedding all-reduce (which also moves the weight to CUDA)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = copy.copy(pg_collection or ProcessGroupCollection.use_mpu_process_groups())
+    pg_collection.embd = None
+    return pg_collection
+
+
+def _tie_output_to_embedding(head: GPTModel, first: GPTModel) -> None:
+    """Make `head`'s output layer use `first`'s word embedding without owning it."""
+    weight = first.embedding.word_embeddings.weight
+    del head.output_layer.weight
+    head.output_layer.weight = None
+    head.shared_embedding_or_output_weight = lambda: weight
+    # The weight is checkpointed once, by chunk 0, under the embedding key, as without pipelining.
+    head.tie_embeddings_and_output_weights_state_dict = lambda *args, **kwargs: None
+
+
+_LAYER_RE = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)\.")
+
+
+def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) with layer indices made global: the names the non-pipelined model uses."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    for name, param in chunk.named_parameters():
+        m = _LAYER_RE.match(name)
+        if m:
+            number = layers[int(m.group(2))].layer_number  # 1-based global layer number
+            name = f"{m.group(1)}{number - 1}.{name[m.end():]}"
+        yield name, param
