@@ -1,0 +1,60 @@
+"""Timeline pictures: SVG always, PNG when matplotlib is there, text for terminals."""
+import importlib.util
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from megatron_vshape.schedule import registry, render
+from megatron_vshape.schedule.simulate import simulate
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_svg_has_one_box_per_op_coloured_by_kind_and_chunk(name, tmp_path):
+    s = registry.build(name, 4, 8)
+    files = render.write_picture(s, str(tmp_path / "t.svg"))
+    root = ET.parse(files[0]).getroot()
+    boxes = [r for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+    assert len(boxes) == sum(len(ops) for ops in s.ranks)
+    fills = {(b.find(SVG + "title").text.split("@")[0].rstrip("0123456789"), b.get("fill")) for b in boxes}
+    kinds = {op.kind for _, op in s.ops()}
+    assert {k for k, _ in fills} == kinds
+    # one colour per (kind, chunk) present
+    chunks = {(op.kind, s.placement.chunk_of(op.stage)) for _, op in s.ops()}
+    assert len({f for _, f in fills}) == len(chunks)
+    labels = [t.text for t in root.iter(SVG + "text")]
+    assert any(name in (t or "") for t in labels)  # title
+    assert "0" in labels and "7" in labels  # microbatch numbers inside boxes
+    assert "rank 3" in labels
+
+
+def test_box_positions_follow_the_simulator(tmp_path):
+    s = registry.build("1f1b", 2, 2)
+    sim = simulate(s)
+    root = ET.fromstring(render.svg(s, sim, width=1000))
+    boxes = {b.find(SVG + "title").text.split()[0]: b for b in root.iter(SVG + "rect") if b.find(SVG + "title") is not None}
+    scale = (1000 - render.LEFT - render.RIGHT) / sim.makespan
+    for row in sim.timeline:
+        for op, start, end in row:
+            b = boxes[str(op)]
+            assert float(b.get("x")) == pytest.approx(render.LEFT + start * scale, abs=0.01)
+            assert float(b.get("width")) == pytest.approx((end - start) * scale, abs=0.01)
+
+
+def test_png_next_to_svg_when_matplotlib_is_installed(tmp_path):
+    files = render.write_picture(registry.build("zb-h1", 4, 8), str(tmp_path / "sub" / "zb.svg"))
+    assert (tmp_path / "sub" / "zb.svg").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is None:
+        assert files == [str(tmp_path / "sub" / "zb.svg")]
+        return
+    png = tmp_path / "sub" / "zb.png"
+    assert files == [str(tmp_path / "sub" / "zb.svg"), str(png)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_text_timeline():
+    s = registry.build("1f1b", 3, 4)
+    lines = render.text(s, columns=60).splitlines()
+    assert len(lines) == 3 and all(len(l) == len(lines[0]) for l in lines)
+    assert lines[0].startswith("rank   0 |F0") and lines[2].startswith("rank   2 |.")  # rank 2 waits for F0
