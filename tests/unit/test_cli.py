@@ -1,0 +1,84 @@
+"""The `megatron-vshape` console script, run as a user runs it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_vshape.schedule import export, registry
+
+EXE = shutil.which("megatron-vshape", path=os.path.dirname(sys.executable)) or shutil.which("megatron-vshape")
+
+
+def run(*args):
+    assert EXE, "megatron-vshape is not installed (pip install -e .)"
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plan_prints_the_figures_and_writes_files(tmp_path):
+    pic, exp = tmp_path / "out" / "zb.svg", tmp_path / "out" / "zb.json"
+    r = run("plan", "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--export", str(exp), "--picture", str(pic))
+    assert r.returncode == 0, r.stderr
+    for word in ("bubble rate       11.11%", "span bubble rate", "makespan          27", "peak activations  4 4 4 4",
+                 "peak vs 1F1B      1 1 1 1", "(p-1)/(3m+p-1) = 11.11%"):
+        assert word in r.stdout
+    assert pic.stat().st_size > 0
+    assert export.load_json(str(exp)).ranks == registry.build("zb-h1", 4, 8).ranks
+
+
+def test_plan_json_and_options():
+    r = run("plan", "--schedule", "1f1b-interleaved", "--pp", "4", "--microbatches", "8", "--chunks", "3",
+            "--costs", "2,2.2,1.6,0.05", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["placement"] == "loop" and out["chunks"] == 3
+    assert out["costs"] == {"F": 2 / 3, "B": 2.2 / 3, "W": 1.6 / 3, "C": 0.05}
+    assert len(out["peak_vs_1f1b"]) == 4 and 0 < out["bubble_rate"] < 1 and "ranks" not in out
+
+
+def test_compare_has_every_schedule_and_reasons_instead_of_crashes():
+    r = run("compare", "--pp", "4", "--microbatches", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["schedule"]: row for row in json.loads(r.stdout)["rows"]}
+    assert list(rows) == registry.names()
+    assert "last group of 2 < pp=4" in rows["1f1b-interleaved"]["error"]  # Megatron cannot serve m=6
+    assert rows["1f1b"]["bubble_rate"] == pytest.approx(3 / 9)
+    assert rows["1f1b"]["prediction"]["bubble_rate"] == pytest.approx(3 / 9)
+    text = run("compare", "--pp", "4", "--microbatches", "6")
+    assert text.returncode == 0 and "cannot serve: 1f1b-interleaved" in text.stdout
+    for name in registry.names():
+        assert any(line.startswith(name + " ") for line in text.stdout.splitlines())
+
+
+@pytest.mark.parametrize("fmt", ["json", "torch-csv"])
+def test_export(fmt, tmp_path):
+    path = tmp_path / f"s.{fmt}"
+    r = run("export", "--schedule", "zb-h2", "--pp", "4", "--microbatches", "8", "--format", fmt, "--output", str(path))
+    assert r.returncode == 0, r.stderr
+    s = registry.build("zb-h2", 4, 8)
+    if fmt == "json":
+        assert export.load_json(str(path)).ranks == s.ranks
+    else:
+        assert export.parse_torch_csv(path.read_text()) == s.ranks
+
+
+@pytest.mark.parametrize("args, message", [
+    (("plan", "--schedule", "v-max", "--pp", "4", "--microbatches", "8"), "unknown schedule 'v-max'"),
+    (("plan", "--schedule", "1f1b", "--pp", "1", "--microbatches", "8"), "pp >= 2"),
+    (("plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--chunks", "2"), "chunks"),
+    (("plan", "--schedule", "1f1b-interleaved", "--pp", "4", "--microbatches", "3"), "microbatches >= 4"),
+    (("compare", "--pp", "4", "--microbatches", "8", "--costs", "1,2"), "expected 3 or 4 numbers"),
+    (("export", "--schedule", "1f1b", "--pp", "4", "--microbatches", "0", "--output", "x.json"), "microbatches >= 1"),
+])
+def test_config_errors_exit_2_without_traceback(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"megatron-vshape {args[0]}: error:")
+
+
+def test_usage_errors_exit_2():
+    r = run("plan", "--pp", "4")
+    assert r.returncode == 2 and "--schedule" in r.stderr
