@@ -127,8 +127,12 @@ def png(schedule: Schedule, path: str, sim: Optional[SimResult] = None) -> None:
     ax.set_xlabel("time (cost units)")
     ax.set_title(title(schedule, sim), fontsize=8)
     kinds = [k for k in (F, B, W, BW) if any(op.kind == k for ops in schedule.ranks for op in ops)]
-    handles = [Patch(color=[c / 255 for c in shade(k, 0, pl.chunks)], label=KIND_LABEL[k]) for k in kinds]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=7, frameon=False)
+    handles = [
+        Patch(color=[v / 255 for v in shade(k, c, pl.chunks)], label=KIND_LABEL[k] + (f", chunk {c}" if pl.chunks > 1 else ""))
+        for k in kinds
+        for c in range(pl.chunks)
+    ]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
