@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -79,7 +80,9 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, 
         results.put(("error", rank, traceback.format_exc()))
         time.sleep(0.5)
         raise SystemExit(1)
-    results.put(("ok", rank, out))
+    # Plain pickle bytes: torch's queue reducers would share tensors through file descriptors
+    # that vanish when this process exits.
+    results.put(("ok", rank, pickle.dumps(out)))
     try:
         dist.destroy_process_group()
     except Exception:
@@ -122,7 +125,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
             if status == "error":
                 raise LaunchError(f"rank {rank} of {world_size} failed:\n{value}{_other_errors(results, rank)}")
             if status == "ok":
-                out[rank] = value
+                out[rank] = pickle.loads(value)
                 continue
             now = time.monotonic()
             for rank, p in enumerate(procs):

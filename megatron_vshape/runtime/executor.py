@@ -1,0 +1,323 @@
+"""The forward-backward function Megatron calls once per training step, for any schedule.
+
+`get_forward_backward_func(schedule)` returns a function with megatron-core 0.16's keyword
+signature.  It executes this pipeline rank's op list, step by step as
+`schedule.comm.rank_plan` lays it out (receives before the op that needs them, sends right
+after the op that produces them, the V's turn handed over locally), and nothing else decides
+an order.  Forward and backward of one microbatch go through megatron-core's own
+`forward_step` / `backward_step`, so loss scaling, token counts, MoE/MTP loss scales and
+output deallocation are Megatron's.
+
+Rules derived from the op list (stated once, here):
+  * Grad sync (DDP's overlapped reduction) of chunk c: without `config.grad_sync_func`, the
+    chunk's `no_sync` is lifted exactly during its last B-or-BW op and its last W-or-BW op,
+    so every gradient hook registers a parameter once, on its final contribution (B for
+    parameters not split, W for split weights).  With `grad_sync_func`, it is called for chunk
+    c right after the chunk's last W-or-BW op.  After its last such op a chunk stays synced.
+  * Param sync: `config.param_sync_func[c]` is called right before chunk c's first F.
+  * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
+    and token count are shipped to the last pipeline rank, which returns them, as Megatron
+    expects; other ranks return [].
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import registry
+from ..schedule.comm import ACT, Message, channels, input_message, is_remote, rank_plan
+from ..schedule.errors import ConfigError
+from ..schedule.ops import B, BW, F, W, Costs, Schedule
+from ..schedule.verify import forward_only_view, verify
+from . import wgrad
+from .p2p import P2P, local_activation, tensor_shape
+
+DEFAULT_P2P_TIMEOUT = 300.0
+
+
+def get_forward_backward_func(schedule: Union[str, Schedule], costs: Optional[Costs] = None, **options) -> Callable:
+    """The forward-backward function for a schedule name or a `Schedule` object.
+
+    Options: `p2p_timeout` (seconds a receive may wait before an error naming the rank, the op
+    and the peer; default 300), `stats` (a `runtime.stats.Recorder` to fill), `schedule_options`
+    (extra keyword arguments for the generator of a named schedule).
+    """
+    if isinstance(schedule, str):
+        registry.generator(schedule)  # unknown names fail here, before any rank starts a step
+    elif not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule must be a registered name or a Schedule, not {type(schedule).__name__}")
+    return _Executor(schedule, costs, **options)
+
+
+class _Executor:
+    def __init__(self, schedule, costs=None, p2p_timeout: float = DEFAULT_P2P_TIMEOUT, stats=None,
+                 schedule_options: Optional[dict] = None):
+        self.schedule, self.costs, self.p2p_timeout, self.stats = schedule, costs, p2p_timeout, stats
+        self.schedule_options = dict(schedule_options or {})
+        self._cache: Dict[Tuple[int, int, bool], tuple] = {}
+        self.__name__ = f"forward_backward_{getattr(schedule, 'name', schedule)}"
+
+    # The schedule and its per-rank plan, generated identically on every rank and cached.
+    def _plan(self, pp: int, m: int, forward_only: bool, rank: int):
+        key = (pp, m, forward_only)
+        if key not in self._cache:
+            if isinstance(self.schedule, str):
+                sched = registry.build(self.schedule, pp, m, self.costs, **self.schedule_options)
+            else:
+                sched = self.schedule
+                if sched.pp != pp or sched.microbatches != m:
+                    raise ConfigError(
+                        f"schedule {sched.name!r} was built for pp={sched.pp}, microbatches={sched.microbatches}, "
+                        f"but this step runs pp={pp}, num_microbatches={m}; build it for these sizes or pass its name")
+                verify(sched)
+            if forward_only:
+                sched = verify(forward_only_view(sched), forward_only=True)
+            self._cache[key] = (sched, rank_plan(sched, rank, channels(sched)), channels(sched))
+        return self._cache[key]
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                 decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
+                 adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False,
+                 **kwargs):
+        return _Step(self, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                     forward_only, collect_non_loss_data, first_val_step, adjust_tensor_shapes_fn, p2p_communicator,
+                     pg_collection, force_all_reduce).run()
+
+
+def _groups(pg_collection, p2p_communicator):
+    """(pp, tp, cp) process groups, from pg_collection or megatron-core's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    if pg_collection is not None:
+        return pg_collection.pp, pg_collection.tp, pg_collection.cp
+    pp = p2p_communicator.pp_group if p2p_communicator is not None else ps.get_pipeline_model_parallel_group()
+    return pp, ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+
+
+class _Step:
+    """One call: one rank executing its plan for one training (or evaluation) step."""
+
+    def __init__(self, ex: _Executor, forward_step_func, data_iterator, model, m, seq_length, micro_batch_size,
+                 forward_only, collect_non_loss_data, first_val_step, adjust_tensor_shapes_fn, p2p_communicator,
+                 pg_collection, force_all_reduce):
+        from megatron.core.utils import get_model_config, get_model_type
+
+        self.model = model if isinstance(model, list) else [model]
+        self.config = get_model_config(self.model[0])
+        self.model_type = get_model_type(self.model[0])
+        if adjust_tensor_shapes_fn is not None:
+            raise ConfigError("adjust_tensor_shapes_fn is not supported by megatron_vshape schedules; "
+                              "all stages must exchange [seq, micro_batch, hidden] tensors")
+        if getattr(self.config, "variable_seq_lengths", False):
+            raise ConfigError("variable_seq_lengths=True is not supported by megatron_vshape schedules; "
+                              "use a fixed seq_length")
+        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+            raise ConfigError("defer_embedding_wgrad_compute=True is not supported by megatron_vshape schedules; "
+                              "zero-bubble schedules defer the output layer's weight gradient to W themselves")
+        self.pp_group, tp_group, cp_group = _groups(pg_collection, p2p_communicator)
+        self.pg_collection, self.force_all_reduce = pg_collection, force_all_reduce
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        self.pp, self.rank = len(self.pp_ranks), self.pp_ranks.index(dist.get_rank())
+        self.sched, self.plan, chans = ex._plan(self.pp, m, forward_only, self.rank)
+        self.placement = self.sched.placement
+        if len(self.model) != self.placement.chunks:
+            raise ConfigError(f"schedule {self.sched.name!r} places {self.placement.chunks} model chunk(s) per rank "
+                              f"({self.placement.kind} placement) but model has {len(self.model)}; build the chunks "
+                              f"with megatron_vshape.runtime.chunks for this schedule")
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(self.model)
+        if len(iters) != len(self.model):
+            raise ConfigError(f"data_iterator has {len(iters)} iterators for {len(self.model)} model chunks; "
+                              "pass one iterator, or one per chunk")
+        self.iters = iters
+        self.ex, self.m, self.forward_step_func = ex, m, forward_step_func
+        self.forward_only, self.collect_non_loss_data, self.first_val_step = forward_only, collect_non_loss_data, first_val_step
+        self.cp_size = cp_group.size() if cp_group is not None else 1
+        self.S = self.placement.num_stages
+        self.loss_rank = self.placement.rank_of(self.S - 1)
+        params = next(self.model[0].parameters())
+        self.device = params.device
+        dtype = self.config.pipeline_dtype or params.dtype
+        shape = tensor_shape(seq_length, micro_batch_size, self.config.hidden_size, self.cp_size,
+                             tp_group.size() if tp_group is not None else 1, self.config.sequence_parallel)
+        expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
+        self.p2p = P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
+        self.split = self.sched.split_backward and not forward_only
+        if self.split:
+            for chunk in self.model:
+                wgrad.install(chunk)
+        self.te = [wgrad.te_modules(chunk) for chunk in self.model] if not forward_only else [[] for _ in self.model]
+        if any(self.te) and self.split:
+            problem = wgrad.check_fifo_w_order(self.sched.ranks[self.rank])
+            if problem:
+                raise ConfigError(f"schedule {self.sched.name!r}: Transformer Engine defers weight gradients per layer "
+                                  f"in B order, but {problem}; use a schedule whose W follow B order per stage")
+        self.stats = ex.stats
+
+    # ---- grad / param sync rules (see module docstring) --------------------------------------
+    def _sync_points(self):
+        ops = [s.op for s in self.plan]
+        chunk_of = self.placement.chunk_of
+        last_b, last_w, first_f = {}, {}, {}
+        for i, op in enumerate(ops):
+            c = chunk_of(op.stage)
+            if op.kind in (B, BW):
+                last_b[c] = i
+            if op.kind in (W, BW):
+                last_w[c] = i
+            if op.kind == F:
+                first_f.setdefault(c, i)
+        return last_b, last_w, first_f
+
+    def _no_sync_funcs(self):
+        f = self.config.no_sync_func
+        if f is None:
+            return [contextlib.nullcontext] * len(self.model)
+        if isinstance(f, list):
+            if len(f) != len(self.model):
+                raise ConfigError(f"config.no_sync_func has {len(f)} entries for {len(self.model)} model chunks")
+            return f
+        if len(self.model) > 1:
+            raise ConfigError("config.no_sync_func is one function for several model chunks; pass a list with one "
+                              "per chunk ([chunk.no_sync for chunk in model], as Megatron's training loop does)")
+        return [f]
+
+    def run(self):
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        cfg, m, nchunks = self.config, self.m, len(self.model)
+        no_sync = self._no_sync_funcs()
+        grad_sync = cfg.grad_sync_func if not self.forward_only else None
+        param_sync = cfg.param_sync_func if not self.forward_only else None
+        if grad_sync is not None and not isinstance(grad_sync, list):
+            grad_sync = [grad_sync] * nchunks
+        if param_sync is not None and not isinstance(param_sync, list):
+            param_sync = [param_sync] * nchunks
+        last_b, last_w, first_f = self._sync_points()
+        contexts: List[Optional[contextlib.AbstractContextManager]] = [None] * nchunks
+
+        def disable(c):
+            if contexts[c] is None:
+                contexts[c] = no_sync[c]()
+                contexts[c].__enter__()
+
+        def enable(c):
+            if contexts[c] is not None:
+                contexts[c].__exit__(None, None, None)
+                contexts[c] = None
+
+        if self.stats is not None:
+            for chunk in self.model:
+                self.stats.exclude_parameters(chunk.parameters())
+            wgrad.set_tracker(self.stats.hold)
+        for c in range(nchunks):
+            disable(c)
+        inputs: Dict[Tuple[int, int], object] = {}
+        outputs: Dict[Tuple[int, int], object] = {}
+        arrived: Dict[Message, torch.Tensor] = {}
+        wgrads: Dict[Tuple[int, int], list] = {}
+        store: list = []
+        total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        try:
+            for i, step in enumerate(self.plan):
+                op = step.op
+                c = self.placement.chunk_of(op.stage)
+                for msg in step.recvs:
+                    src = self.placement.rank_of(msg.src_stage)
+                    arrived[msg] = self.p2p.recv(msg, src, str(op))
+                if op.kind == F and param_sync is not None and first_f.get(c) == i:
+                    param_sync[c](self.model[c].parameters())
+                final = i in (last_b.get(c), last_w.get(c)) and grad_sync is None
+                if final:
+                    enable(c)
+                timer = self.stats.op(op.kind, op.microbatch, op.stage, self.device) if self.stats else contextlib.nullcontext()
+                with timer:
+                    out = self._compute(op, c, inputs, outputs, arrived, wgrads, store, step)
+                if op.kind == F and out is not None:
+                    total_tokens += out[1]
+                    out = out[0]
+                self._deliver(op, step, out, arrived)
+                if op.kind == F and step.local_out is None and not step.sends:
+                    pass
+                elif op.kind == F and not self.forward_only and out is not None:
+                    deallocate_output_tensor(out, cfg.deallocate_pipeline_outputs)
+                if final and i != last_w.get(c):
+                    disable(c)
+                if grad_sync is not None and i == last_w.get(c):
+                    enable(c)
+                    grad_sync[c](self.model[c].parameters())
+            self.p2p.finish()
+        finally:
+            if self.stats is not None:
+                wgrad.set_tracker(None)
+            for c in range(nchunks):
+                enable(c)
+        losses = self._ship_losses(store, total_tokens)
+        if cfg.finalize_model_grads_func is not None and not self.forward_only:
+            cfg.finalize_model_grads_func(self.model, self._tokens if cfg.calculate_per_token_loss else None,
+                                          pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
+        return losses
+
+    # ---- one op ------------------------------------------------------------------------------
+    def _compute(self, op, c, inputs, outputs, arrived, wgrads, store, step):
+        from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
+
+        key = (op.stage, op.microbatch)
+        need = input_message(op, self.S)
+        if op.kind == F:
+            x = arrived.pop(need) if need is not None else None
+            if x is not None:
+                if is_remote(need, self.placement):
+                    x.requires_grad_(not self.forward_only)  # a fresh receive buffer
+                else:
+                    x = local_activation(x, requires_grad=not self.forward_only)
+            saving = self.stats.saved_tensors() if (self.stats and not self.forward_only) else contextlib.nullcontext()
+            with wgrad.split_forward(self.split), saving:
+                out, tokens = forward_step(
+                    self.forward_step_func, self.iters[c], self.model[c], self.m, x, store, self.config,
+                    self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
+                    is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, op.microbatch == 0),
+                    current_microbatch=op.microbatch, vp_stage=None, is_last_stage=op.stage == self.S - 1)
+            if not self.forward_only:
+                inputs[key], outputs[key] = x, out
+            return out, tokens
+        if op.kind in (B, BW):
+            dy = arrived.pop(need) if need is not None else None
+            x, y = inputs.pop(key), outputs.pop(key)
+            if op.kind == B:
+                entries: list = []
+                with wgrad.collect(entries):
+                    dx = backward_step(x, y, dy, self.model_type, self.config)
+                wgrads[key] = entries
+            else:
+                dx = backward_step(x, y, dy, self.model_type, self.config)
+                wgrad.te_backward_dw(self.te[c])
+            return dx
+        # W
+        wgrad.run(wgrads.pop(key))
+        wgrad.te_backward_dw(self.te[c])
+        return None
+
+    def _deliver(self, op, step, out, arrived):
+        """Send the op's output to the next stage's rank, or hand it over locally."""
+        if out is None or (op.kind == F and self.forward_only and op.stage == self.S - 1):
+            return
+        for msg in step.sends:
+            dst = self.placement.rank_of(msg.dst_stage)
+            self.p2p.send(msg, dst, out, str(op))
+        if step.local_out is not None:
+            arrived[step.local_out] = out if step.local_out.kind != ACT else out.detach()
+
+    # ---- losses and token count to the last pipeline rank ---------------------------------------
+    def _ship_losses(self, store, total_tokens):
+        last = self.pp - 1
+        self._tokens = total_tokens
+        if self.loss_rank == last:
+            return store if self.rank == last else []
+        src = self.pp_ranks[self.loss_rank]
+        box = [store if self.rank == self.loss_rank else None]
+        dist.broadcast_object_list(box, src=src, group=self.pp_group, device=self.device if self.device.type != "cpu" else None)
+        dist.broadcast(total_tokens, src=src, group=self.pp_group)
+        return box[0] if self.rank == last else []

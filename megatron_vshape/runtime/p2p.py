@@ -1,0 +1,164 @@
+"""Point-to-point transport for the executor: one FIFO channel per direction of a rank pair.
+
+The order of messages on each channel comes from `schedule.comm.rank_plan` (the matching rule);
+this module only moves tensors.  Each direction of each neighbouring rank pair gets its own
+process group, so at pp=2 (previous and next rank are the same peer) a send in one direction
+can never be matched against a receive of the other: messages of one group are matched in
+posting order, and only one direction ever uses it.
+
+Receives are posted ahead (one outstanding receive per incoming channel, always for the next
+message of that channel), so they overlap compute; sends are posted right after the producing
+op and waited for at the end of the step.  Nothing here is CUDA-specific: the device comes
+from the model's parameters, the backend from the process group.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..schedule.comm import Message
+
+_GROUPS: Dict[Tuple[int, ...], Dict[Tuple[int, int], dist.ProcessGroup]] = {}
+
+
+class P2PTimeout(RuntimeError):
+    """A receive (or the end-of-step wait for a send) did not complete within the timeout."""
+
+
+def directional_groups(pp_ranks: Sequence[int]) -> Dict[Tuple[int, int], dist.ProcessGroup]:
+    """One process group per direction (src, dst) of each pair of pipeline-ring neighbours.
+
+    Keys are global ranks.  Creating groups is collective over the whole world, so every rank
+    learns every pipeline's ranks first and all ranks create the same groups in the same order.
+    Cached: call it from every rank on the first step (the executor does).
+    """
+    key = tuple(pp_ranks)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    pipelines: List[Optional[Tuple[int, ...]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(pipelines, key)
+    for ranks in sorted(set(pipelines)):
+        pairs: List[Tuple[int, int]] = []
+        p = len(ranks)
+        # Ring neighbours cover single and V placements (r <-> r+1) and Megatron's loop
+        # placement, whose stage p-1 -> p hop wraps from the last rank to the first.
+        for i in range(p if p > 2 else p - 1):
+            a, b = ranks[i], ranks[(i + 1) % p]
+            for pair in ((a, b), (b, a)):
+                if pair not in pairs:
+                    pairs.append(pair)
+        groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+        if ranks not in _GROUPS:
+            _GROUPS[ranks] = groups
+    return _GROUPS[key]
+
+
+class _PendingRecv:
+    def __init__(self, msg: Message, tensor: torch.Tensor, work):
+        self.msg, self.tensor, self.work = msg, tensor, work
+
+
+class P2P:
+    """Channels of one rank for one step.
+
+    `pp_ranks`: global ranks of this pipeline, indexed by pipeline rank.  `expected`: for each
+    source pipeline rank, the messages that arrive on its channel in order (from the plan).
+    """
+
+    def __init__(self, pp_ranks: Sequence[int], rank: int, expected: Dict[int, List[Message]],
+                 shape: Sequence[int], dtype: torch.dtype, device: torch.device, timeout: float):
+        self.pp_ranks, self.rank = list(pp_ranks), rank
+        self.shape, self.dtype, self.device, self.timeout = tuple(shape), dtype, device, timeout
+        self.groups = directional_groups(self.pp_ranks)
+        self.expected = {src: deque(msgs) for src, msgs in expected.items()}
+        self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
+        self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
+        self.gloo = dist.get_backend(self.groups[next(iter(self.groups))]) == "gloo" if self.groups else True
+        for src in self.expected:
+            self._post_next(src)
+
+    def _group(self, src: int, dst: int):
+        return self.groups[(self.pp_ranks[src], self.pp_ranks[dst])]
+
+    def _post_next(self, src: int) -> None:
+        """Keep one receive posted on channel `src` -> self, for its next message."""
+        if not self.expected[src] or self.posted[src]:
+            return
+        msg = self.expected[src].popleft()
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        op = dist.P2POp(dist.irecv, buf, self.pp_ranks[src], self._group(src, self.rank))
+        work = dist.batch_isend_irecv([op])[0]
+        self.posted[src].append(_PendingRecv(msg, buf, work))
+
+    def recv(self, msg: Message, src: int, op_name: str) -> torch.Tensor:
+        """Take the next message off channel `src`; the plan says it is `msg`."""
+        pending = self.posted[src].popleft()
+        if pending.msg != msg:  # the plan and the transport disagree: a bug, never a user error
+            raise RuntimeError(f"rank {self.rank}: {op_name} expected {msg} from rank {src}, channel holds {pending.msg}")
+        self._wait(pending.work, f"rank {self.rank}: {op_name} waiting to receive {msg} from rank {src}")
+        self._post_next(src)
+        return pending.tensor
+
+    def send(self, msg: Message, dst: int, tensor: torch.Tensor, op_name: str) -> None:
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise RuntimeError(
+                f"rank {self.rank}: {op_name} produced {tuple(tensor.shape)} {tensor.dtype} for {msg}, but the "
+                f"pipeline exchanges {self.shape} {self.dtype} ([seq_length/cp(/tp with sequence parallelism), "
+                f"micro_batch_size, hidden_size] in config.pipeline_dtype)")
+        # A detached alias: the caller may release `tensor.data` (deallocate_pipeline_outputs)
+        # while the send is in flight; the alias keeps the storage alive until it completes.
+        payload = tensor.detach().contiguous()
+        op = dist.P2POp(dist.isend, payload, self.pp_ranks[dst], self._group(self.rank, dst))
+        work = dist.batch_isend_irecv([op])[0]
+        self.sends.append((msg, dst, work, payload))
+        self.sends = [s for s in self.sends if not s[2].is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every send of the step; every receive must have been consumed."""
+        left = {src: [p.msg for p in q] + list(self.expected[src]) for src, q in self.posted.items()}
+        left = {src: msgs for src, msgs in left.items() if msgs}
+        if left:
+            raise RuntimeError(f"rank {self.rank}: step ended with unreceived messages {left}")
+        for msg, dst, work, _ in self.sends:
+            self._wait(work, f"rank {self.rank}: end of step waiting for send of {msg} to rank {dst}")
+        self.sends = []
+
+    def _wait(self, work, what: str) -> None:
+        start = time.monotonic()
+        if self.gloo:
+            # gloo blocks in wait() and honours its timeout: no spinning on shared CPU cores.
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+                return
+            except RuntimeError as exc:
+                if time.monotonic() - start < self.timeout * 0.99 and "imeout" not in str(exc):
+                    raise
+                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (set the executor's "
+                                 f"p2p_timeout to wait longer)") from exc
+        # NCCL and others: wait() only orders streams, so poll completion against the deadline.
+        while not work.is_completed():
+            if time.monotonic() - start > self.timeout:
+                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (set the executor's "
+                                 f"p2p_timeout to wait longer)")
+            time.sleep(1e-4)
+        work.wait()
+
+
+def local_activation(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """The V's turn on rank p-1: hand stage p-1's output to stage p without communication."""
+    out = tensor.detach()
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, cp: int = 1, tp: int = 1,
+                 sequence_parallel: bool = False) -> Tuple[int, int, int]:
+    """Shape of one activation (and of its gradient) crossing stages."""
+    seq = seq_length // cp
+    if sequence_parallel:
+        seq //= tp
+    return (seq, micro_batch_size, hidden_size)
