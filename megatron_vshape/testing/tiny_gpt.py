@@ -38,7 +38,7 @@ class TinyGPT:
             num_attention_heads=self.num_attention_heads, ffn_hidden_size=4 * self.hidden_size,
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             params_dtype=torch.float32, pipeline_dtype=torch.float32,
-            use_cpu_initialization=True, perform_initialization=False,  # weights come from load_weights
+            use_cpu_initialization=True,  # perform_initialization stays on: it also sets TP attributes
             hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
