@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--factors", default="2,4,8", help="microbatches = factor * pp (default 2,4,8)")
     ap.add_argument("--costs", default=";".join(COST_SETS), help="cost sets F,B,W,C separated by ';'")
     ap.add_argument("--csv", default="out/bench_schedules.csv", help="where to write the CSV")
+    ap.add_argument("--timing", action="store_true", help="also time generating each schedule at pp=32, m=256")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = run(_ints(args.pp), _ints(args.factors), [c for c in args.costs.split(";") if c])
@@ -86,6 +87,15 @@ def main(argv=None) -> int:
     ]
     print(format_table(["costs", "pp", "m", "schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B", "note"], table))
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.1f}s; CSV: {args.csv}", file=sys.stderr)
+    if args.timing:
+        print("\ngeneration time (build + verify) at pp=32, microbatches=256, unit costs:")
+        for name in registry.names():
+            t1 = time.perf_counter()
+            try:
+                registry.build(name, 32, 256)
+                print(f"  {name:18s} {time.perf_counter() - t1:.3f}s")
+            except ConfigError as exc:
+                print(f"  {name:18s} cannot serve: {exc}")
     return 0
 
 
