@@ -52,9 +52,10 @@ def directional_groups(pp_ranks: Sequence[int]) -> Dict[Tuple[int, int], dist.Pr
             for pair in ((a, b), (b, a)):
                 if pair not in pairs:
                     pairs.append(pair)
-        groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+        me = dist.get_rank()
+        groups = {pair: dist.new_group(list(pair)) for pair in pairs}  # collective: all ranks, same order
         if ranks not in _GROUPS:
-            _GROUPS[ranks] = groups
+            _GROUPS[ranks] = {pair: g for pair, g in groups.items() if me in pair}
     return _GROUPS[key]
 
 
@@ -78,7 +79,7 @@ class P2P:
         self.expected = {src: deque(msgs) for src, msgs in expected.items()}
         self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
         self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
-        self.gloo = dist.get_backend(self.groups[next(iter(self.groups))]) == "gloo" if self.groups else True
+        self.gloo = dist.get_backend() == "gloo"
         for src in self.expected:
             self._post_next(src)
 
