@@ -13,10 +13,10 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .ops import B, BW, F, RELEASE_KINDS, W, Costs, Op, Placement, Schedule
-from .simulate import _dependencies, _key
+from .ops import B, BW, F, W, Costs, Op, Placement, Schedule
+from .simulate import _dependencies
 
 EPS = 1e-9
 Slot = Tuple[str, int]  # (op kind, global stage)
@@ -118,105 +118,133 @@ def squeeze(block: Block, microbatches: int, name: str) -> Schedule:
     return Schedule(name, block.placement, microbatches, block.costs, ranks, {"interval": block.interval})
 
 
-def priorities(block: Block, microbatches: int) -> Dict[Op, float]:
-    """Each op's time in the repeated block; the reorder step uses it as its preference."""
-    return {op: t for ops in repeat(block, microbatches) for t, op in ops}
-
-
 class Stuck(RuntimeError):
     """The reorder step found no op that can run on any rank (its memory caps are too tight)."""
 
 
 def reorder(
-    placement: Placement,
+    block: Block,
     microbatches: int,
-    costs: Costs,
-    priority: Callable[[Op], float],
     caps: Sequence[int],
     name: str,
-    split: bool = True,
-    window: int = 64,
+    reserve: Optional[Sequence[int]] = None,
+    safe: bool = False,
+    window: int = 48,
 ) -> Schedule:
-    """List-schedule every rank under its memory cap, preferring ops in `priority` order.
+    """List-schedule every rank under its memory cap, preferring ops in the order of the
+    repeated block (copy k of an op is preferred at its offset + k * interval).
 
     Whenever a rank is free it runs the most preferred op whose inputs have arrived and that
-    keeps its live activations within `caps[rank]`; an F may run ahead of a preferred F that
-    is not ready only if memory stays reserved for that one.  In the steady state this keeps
-    the block's order; in warm-up and cool-down it pulls ops into idle time that the
-    repeated block leaves, without exceeding the cap (so without raising peak memory when
-    the cap is the block's peak).  Times follow simulate's rules, so the result's eager
+    keeps its live activations within `caps[rank]`.  An F may run ahead of preferred F's
+    that are not ready only if memory stays reserved for them (for at most `reserve[rank]`
+    of them when given).  With `safe`, a rank instead starts a new microbatch only if memory
+    stays reserved for every later-chunk F of the microbatches it has started; then no rank
+    can wait for memory forever (caps >= chunks per rank), whatever the preferences.  In the
+    steady state this keeps
+    the block's order; in warm-up and cool-down it pulls ops into the idle time the repeated
+    block leaves, without exceeding the cap (so without raising peak memory when the cap is
+    the block's peak).  The block only sets preferences here: its offsets may collide, the
+    list scheduler resolves that.  Times follow simulate's rules (an op starts when its rank
+    is free and its inputs have arrived, plus C across ranks), so the result's eager
     timeline is the one built here.  Raises Stuck when no rank can make progress.
     """
-    pp, S, m = placement.pp, placement.num_stages, microbatches
-    probe = Schedule(name, placement, m, costs, [[] for _ in range(pp)])
-    back = (B, W) if split else (BW,)
-    todo: List[List[Op]] = [[] for _ in range(pp)]
-    for s in range(S):
-        r = placement.rank_of(s)
-        todo[r].extend(Op(k, mb, s) for mb in range(m) for k in (F,) + back)
-    deps = {}
-    for ops in todo:
-        ops.sort(key=priority)
-        for op in ops:
-            deps[op] = _dependencies(op, probe)
-    end: Dict[tuple, float] = {}
-    order: List[List[Op]] = [[] for _ in range(pp)]
-    live, head = [0] * pp, [0] * pp
-    done = set()
+    pl, costs, T, m = block.placement, block.costs, block.interval, microbatches
+    pp, S, C = pl.pp, pl.num_stages, block.costs.C
+    kinds = sorted({k for k, _ in block.start}, key=(F, B, W, BW).index)
+    split = B in kinds
+    rank = [pl.rank_of(s) for s in range(S)]
+    # Ops are integers: 3 * (mb * S + stage) + slot, slot 0 = F, 1 = B or BW, 2 = W.
+    slot_of = {F: 0, B: 1, BW: 1, W: 2}
+    dur = [costs.F, costs.B if split else costs.of(BW), costs.W]
+    todo: List[List[int]] = [[] for _ in range(pp)]
+    for (kind, s), off in block.start.items():
+        r, slot = rank[s], slot_of[kind]
+        todo[r].extend((off + k * T, slot != 2, 3 * (k * S + s) + slot) for k in range(m))
+    for r in range(pp):
+        todo[r] = [op for _, _, op in sorted(todo[r])]
+    end = [-1.0] * (3 * m * S)
+    order: List[List[int]] = [[] for _ in range(pp)]
+    live, head, pending = [0] * pp, [0] * pp, [0] * pp
+    first = [min(pl.stages_of(r)) for r in range(pp)]  # where a microbatch enters each rank
+    later = pl.chunks - 1  # F's it still needs on the rank after entering
+    if safe:
+        window = 1 << 30
     wake = [0.0] * pp  # when each rank next looks for work; inf while it waits for an input
     free = [0.0] * pp  # when each rank's current op ends
     heap = [(0.0, r) for r in range(pp)]
-    C = costs.C
+    inf = math.inf
     while heap:
         t, r = heapq.heappop(heap)
         if t != wake[r]:
             continue  # superseded wake-up
         ops = todo[r]
-        while head[r] < len(ops) and ops[head[r]] in done:
-            head[r] += 1
-        chosen, soonest, skipped_f, seen, i = None, math.inf, 0, 0, head[r]
+        h = head[r]
+        while h < len(ops) and end[ops[h]] >= 0:
+            h += 1
+        head[r] = h
+        chosen, soonest, skipped_f, seen, i = -1, inf, 0, 0, h
         while i < len(ops) and seen < window:
             op = ops[i]
             i += 1
-            if op in done:
+            if end[op] >= 0:
                 continue
             seen += 1
-            ready = 0.0
-            for key, remote in deps[op]:
-                e = end.get(key)
-                if e is None:
-                    ready = math.inf
-                    break
-                ready = max(ready, e + (C if remote else 0.0))
-            fits = op.kind != F or live[r] + 1 + skipped_f <= caps[r]
-            if ready <= t + EPS and fits:
+            slot, s = op % 3, (op // 3) % S
+            # Inputs, as in comm.py: F needs F of the previous stage; B (or BW) needs its own
+            # F and the backward of the next stage; W needs its own B.
+            if slot == 0:
+                ready = 0.0 if s == 0 else end[op - 3] + (C if rank[s - 1] != rank[s] else 0.0)
+                if s and end[op - 3] < 0:
+                    ready = inf
+            elif slot == 1:
+                ready = end[op - 1]
+                if ready < 0:
+                    ready = inf
+                elif s < S - 1:
+                    e = end[op + 3]
+                    ready = inf if e < 0 else max(ready, e + (C if rank[s + 1] != r else 0.0))
+            else:
+                ready = end[op - 1]
+                if ready < 0:
+                    ready = inf
+            if slot != 0:
+                fits = True
+            elif safe:
+                fits = live[r] + 1 + (pending[r] + later if s == first[r] else 0) <= caps[r]
+            else:
+                fits = live[r] + 1 + (skipped_f if reserve is None else min(skipped_f, reserve[r])) <= caps[r]
+            if fits and ready <= t + EPS:
                 chosen = op
                 break
-            if fits:
-                soonest = min(soonest, ready)
-            if op.kind == F:
+            if fits and ready < soonest:
+                soonest = ready
+            if slot == 0:
                 skipped_f += 1
-        if chosen is None:
+        if chosen < 0:
             wake[r] = soonest
-            if soonest < math.inf:
+            if soonest < inf:
                 heapq.heappush(heap, (soonest, r))
             continue
-        done.add(chosen)
-        finish = t + costs.of(chosen.kind)
-        end[_key(chosen)] = finish
+        slot, s = chosen % 3, (chosen // 3) % S
+        finish = t + dur[slot]
+        end[chosen] = finish
         order[r].append(chosen)
-        live[r] += 1 if chosen.kind == F else -1 if chosen.kind in RELEASE_KINDS else 0
+        live[r] += 1 if slot == 0 else -1 if (slot == 2 or not split) else 0
+        if slot == 0:
+            pending[r] += later if s == first[r] else -1
         wake[r] = free[r] = finish
         heapq.heappush(heap, (finish, r))
-        # Only the consumer of this op's output can become ready because of it.
-        nxt = chosen.stage + 1 if chosen.kind == F else chosen.stage - 1 if chosen.kind != W else -1
-        if 0 <= nxt < S:
-            q = placement.rank_of(nxt)
+        # Only the consumer of this op's output on a neighbouring stage can become ready.
+        nxt = s + 1 if slot == 0 else s - 1 if slot == 1 else -1
+        if 0 <= nxt < S and rank[nxt] != r:
+            q = rank[nxt]
             at = max(finish, free[q])
-            if q != r and at < wake[q]:
+            if at < wake[q]:
                 wake[q] = at
                 heapq.heappush(heap, (at, q))
-    stalled = [f"rank {q}: next {todo[q][head[q]]}" for q in range(pp) if len(order[q]) < len(todo[q])]
+    names = (F, B if split else BW, W)
+    ranks = [[Op(names[op % 3], op // (3 * S), (op // 3) % S) for op in ops] for ops in order]
+    stalled = [f"rank {q}" for q in range(pp) if len(order[q]) < len(todo[q])]
     if stalled:
-        raise Stuck(f"{name}: no rank can proceed under caps {list(caps)}; " + "; ".join(stalled[:6]))
-    return Schedule(name, placement, m, costs, order)
+        raise Stuck(f"{name}: {', '.join(stalled[:6])} cannot proceed under memory caps {list(caps)}")
+    return Schedule(name, pl, m, costs, ranks, {"interval": T})

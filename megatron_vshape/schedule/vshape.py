@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .blocks import EPS, Block, Stuck, priorities, reorder
+from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, check_sizes
 from .registry import register
@@ -23,6 +23,8 @@ from .verify import verify
 
 def _place(busy: List[Tuple[float, float]], ready: float, dur: float, T: float) -> float:
     """Earliest start >= ready where [start, start+dur) misses every busy span modulo T."""
+    if T == math.inf:
+        return ready
     if sum(d for _, d in busy) + dur > T + EPS:
         raise ValueError("interval too short for the rank's ops")
     t = ready
@@ -85,40 +87,66 @@ def _makespan(s: Schedule) -> float:
     return max(t[-1][2] for t in run_lists(s) if t)
 
 
-def _search(name: str, pp: int, m: int, costs: Costs, caps: Sequence[int], turns: Sequence[float],
-            spreads: Sequence[float], stretches: Sequence[float]) -> Schedule:
+# A candidate: (offsets collision-free?, interval stretch, turn, spread, bspread, W lag,
+# reservation), turn and spreads in units of one stage's F, the W lag in intervals; the
+# reservation is one of RESERVE.
+Candidate = Tuple[bool, float, float, float, float, float, str]
+RESERVE = ("ahead", "rank", "safe")
+
+
+def preference_block(pp: int, costs: Costs, cand: Candidate) -> Block:
+    """The block whose repeated order the reorder step follows for candidate `cand`."""
+    legal, stretch, turn, spread, bspread, w_lag, _ = cand
+    interval = 2 * (costs.F + costs.B + costs.W) * stretch
+    block = v_block(pp, costs, interval if legal else math.inf, turn * costs.F, spread * costs.F, bspread * costs.F)
+    start = {k: t + (w_lag * interval if k[0] == W else 0.0) for k, t in block.start.items()}
+    return Block(block.placement, costs, interval, start)
+
+
+def _search(name: str, pp: int, m: int, costs: Costs, caps: Sequence[int], candidates: Sequence[Candidate],
+            rounds: bool) -> Schedule:
     per_stage = costs.per_stage(2)
-    base = 2 * (per_stage.F + per_stage.B + per_stage.W)
     best: Optional[Tuple[float, Schedule]] = None
     tried: List[str] = []
-    for stretch in stretches:
-        for turn in turns:
-            for spread in spreads:
-                try:
-                    block = v_block(pp, per_stage, base * stretch, turn * per_stage.F, spread * per_stage.F)
-                except ValueError:
-                    continue
-                prio = priorities(block, m)
-                try:
-                    s = reorder(block.placement, m, per_stage, prio.__getitem__, caps, name)
-                except Stuck as exc:
-                    tried.append(str(exc))
-                    continue
-                span = _makespan(s)
-                if best is None or span < best[0] - EPS:
-                    s.meta.update({"interval": block.interval, "turn": turn, "spread": spread})
-                    best = (span, s)
+    for s in zb_v(name, pp, m, per_stage, caps[0]) if rounds else ():
+        span = _makespan(s)
+        if best is None or span < best[0] - EPS:
+            s.meta.update({"candidate": "rounds"})
+            best = (span, s)
+    for cand in candidates:
+        try:
+            block = preference_block(pp, per_stage, cand)
+        except ValueError:
+            continue
+        try:
+            mode = cand[6]
+            reserve = [2 * r + 1 for r in range(pp)] if mode == "rank" else None
+            s = reorder(block, m, caps, name, reserve=reserve, safe=mode == "safe")
+        except Stuck as exc:
+            tried.append(str(exc))
+            continue
+        span = _makespan(s)
+        if best is None or span < best[0] - EPS:
+            s.meta.update({"interval": block.interval, "candidate": cand})
+            best = (span, s)
     if best is None:
         raise ConfigError(f"{name}: no V-shape block fits pp={pp}, microbatches={m}: {tried[:1]}")
     return best[1]
+
+
+CANDIDATES: Dict[str, List[Candidate]] = {
+    "v-min": [(False, 1.0, 0, 0, 2, 3, "rank"), (False, 1.05, 2, 1, 0, 0.5, "ahead"), (False, 1.05, 2, 0, 0, 0.5, "rank")],
+    "v-half": [(True, 1.0, 4, 1, 2, 3, "ahead"), (False, 1.0, 0, 1, 1, 0.5, "ahead")],
+    "v-zb": [(True, 1.0, 0, 0, 1, 3, "ahead"), (False, 1.0, 0, 1, 2, 3, "ahead")],
+}
+ROUNDS = {"v-min": True, "v-half": True, "v-zb": True}
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int) -> Schedule:
     check_sizes(name, pp, microbatches)
     costs = costs or Costs()
     caps = memory_caps(name, pp, microbatches, per_1f1b)
-    s = _search(name, pp, microbatches, costs, caps, turns=(0.0, 1.0), spreads=(0.0, 1.0), stretches=(1.0, 1.05, 1.1))
-    return verify(s)
+    return verify(_search(name, pp, microbatches, costs, caps, CANDIDATES[name], ROUNDS[name]))
 
 
 @register("v-min")
@@ -137,3 +165,184 @@ def v_half(pp: int, microbatches: int, costs: Costs = Costs()) -> Schedule:
 def v_zb(pp: int, microbatches: int, costs: Costs = Costs()) -> Schedule:
     """V-ZB: 1F1B's activation memory, almost no bubble."""
     return _generate("v-zb", pp, microbatches, costs, pp)
+
+
+class _Rounds:
+    """V-ZB's construction (the zero-bubble V schedule, ZB-V): ranks fill up with forwards
+    as far as memory and the first returning forward allow, then every round gives each
+    rank one backward and one forward; W's are kept back to fill waits or to free memory.
+    Times are computed as ops are placed (the simulator's rules), so the choices see the
+    real costs."""
+
+    def __init__(self, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool, allowed: Sequence[float]):
+        self.pp, self.m, self.c, self.cap = pp, m, costs, cap
+        self.fill_b, self.fill_f, self.allowed = fill_b, fill_f, allowed
+        self.end: Dict[Tuple[str, int, int], float] = {}
+        self.cur = [0.0] * pp
+        self.mem = [0] * pp
+        self.idle = [0.0] * pp
+        self.count = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
+        self.wq: List[List[Tuple[int, int]]] = [[] for _ in range(pp)]
+        self.ranks: List[List[Op]] = [[] for _ in range(pp)]
+
+    def stage(self, r: int, chunk: int) -> int:
+        return r if chunk == 0 else 2 * self.pp - 1 - r
+
+    def source(self, kind: str, r: int, chunk: int, mb: int) -> Optional[Tuple[Tuple[str, int, int], float]]:
+        """(key of the op whose output this op needs from a neighbouring stage, hop cost)."""
+        s, S = self.stage(r, chunk), 2 * self.pp
+        src = s - 1 if kind == F else s + 1
+        if not 0 <= src < S:
+            return None
+        hop = 0.0 if (r == self.pp - 1 and {s, src} == {self.pp - 1, self.pp}) else self.c.C
+        return (kind, mb, src), hop
+
+    def arrival(self, kind: str, r: int, chunk: int) -> Optional[float]:
+        """When the next such op's input arrives, if its producer is placed (None if it needs none)."""
+        mb = self.count[r][(kind, chunk)]
+        src = self.source(kind, r, chunk, mb)
+        if src is None:
+            return None
+        e = self.end.get(src[0])
+        return math.inf if e is None else e + src[1]
+
+    def put(self, r: int, kind: str, chunk: int = 0, mb: int = -1, stage: int = -1) -> None:
+        if kind != W:
+            mb = self.count[r][(kind, chunk)]
+            stage = self.stage(r, chunk)
+            if mb >= self.m:
+                raise _Fail(f"{kind} of chunk {chunk} on rank {r} beyond microbatch {self.m - 1}")
+        start = self.cur[r]
+        if kind != W:
+            src = self.source(kind, r, chunk, mb)
+            if src is not None:
+                if src[0] not in self.end:
+                    raise _Fail(f"{kind}{mb}@{stage} placed before its input")
+                start = max(start, self.end[src[0]] + src[1])
+            if kind == B and (F, mb, stage) not in self.end:
+                raise _Fail(f"B{mb}@{stage} before its F")
+        cost = self.c.of(kind)
+        if self.ranks[r]:  # a rank's late start is the pipeline's fill, not its own idle time
+            self.idle[r] += start - self.cur[r]
+        self.cur[r] = start + cost
+        self.end[(kind, mb, stage)] = start + cost
+        self.ranks[r].append(Op(kind, mb, stage))
+        if kind == F:
+            self.mem[r] += 1
+            if self.mem[r] > self.cap:
+                raise _Fail(f"rank {r} over its memory cap {self.cap}")
+        elif kind == W:
+            self.mem[r] -= 1
+        else:
+            self.wq[r].append((mb, stage))
+        if kind != W:
+            self.count[r][(kind, chunk)] += 1
+
+    def put_w(self, r: int) -> None:
+        mb, stage = self.wq[r].pop(0)
+        self.put(r, W, mb=mb, stage=stage)
+
+    def budget(self, r: int) -> float:
+        worst = max(self.idle)
+        if self.allowed:
+            worst = max(worst, max(self.allowed) - self.allowed[r])
+        return worst - self.idle[r]
+
+    def before(self, r: int, kind: str, chunk: int, fill: bool) -> None:
+        """Fill the wait for this op's input with W's; give up a W rather than idle past the budget."""
+        arrive = self.arrival(kind, r, chunk)
+        if arrive is None:
+            return
+        while self.wq[r] and arrive >= self.cur[r] + self.c.W:
+            self.put_w(r)
+        if self.wq[r] and arrive - self.cur[r] > self.budget(r) and fill:
+            self.put_w(r)
+
+    def build(self) -> List[List[Op]]:
+        pp, m, cap = self.pp, self.m, self.cap
+        cnt = self.count
+        for r in range(pp):
+            self.put(r, F, 0)
+        for r in range(pp - 1, -1, -1):
+            if r < pp - 1:
+                back = self.end[(F, 0, 2 * pp - 2 - r)] + self.c.C
+                while (self.mem[r] + 2 + 2 * r <= cap and self.cur[r] + self.c.F <= back
+                       and cnt[r][(F, 0)] < m - r):
+                    for q in range(r + 1):
+                        self.put(q, F, 0)
+            self.put(r, F, 1)
+        chunk = 0
+        for r in range(1, pp):
+            def behind() -> bool:
+                mine, prev = cnt[r][(F, 0)] + cnt[r][(F, 1)], cnt[r - 1][(F, 0)] + cnt[r - 1][(F, 1)]
+                return mine < prev or cnt[r][(F, 1)] <= cnt[r - 1][(F, 1)] < m
+            while behind():
+                for q in range(pp - 1, r - 1, -1):
+                    if cnt[q][(F, chunk)] < m:
+                        self.put(q, F, chunk)
+                chunk = 1 - chunk
+        for _ in range(2 * m):
+            late, early = [], []  # ranks whose next backward is chunk 0 / chunk 1
+            for r in range(pp):
+                if cnt[r][(B, 0)] >= cnt[r][(B, 1)]:
+                    early.append(r)
+                elif r == pp - 1 or cnt[r][(B, 1)] >= m or self.arrival(B, r, 0) < math.inf:
+                    late.append(r)
+                else:
+                    early.append(r)
+            for r, ch in [(r, 0) for r in reversed(late)] + [(r, 1) for r in early]:
+                if cnt[r][(B, ch)] >= m:
+                    continue
+                self.before(r, B, ch, self.fill_b or ch == 0)
+                self.put(r, B, ch)
+            for r in range(pp):
+                if cnt[r][(F, 1)] >= m:
+                    continue
+                ch = None
+                if cnt[r][(F, 1)] >= cnt[r][(F, 0)]:
+                    ch = 0
+                elif r == pp - 1 or self.arrival(F, r, 1) < math.inf:
+                    ch = 1
+                elif cnt[r][(F, 0)] < m and (r == 0 or self.arrival(F, r, 0) < math.inf):
+                    ch = 0
+                if ch is None:
+                    continue
+                while self.mem[r] + 1 > cap:
+                    if not self.wq[r]:
+                        raise _Fail(f"rank {r} needs memory but has no W to run")
+                    self.put_w(r)
+                self.before(r, F, ch, self.fill_f)
+                self.put(r, F, ch)
+        for r in range(pp):
+            while self.wq[r]:
+                self.put_w(r)
+        return self.ranks
+
+
+class _Fail(Exception):
+    """A construction choice that does not work for these sizes; another candidate will."""
+
+
+def zb_v(name: str, pp: int, m: int, costs: Costs, cap: int) -> List[Schedule]:
+    """V-ZB candidates: the round construction with and without filling waits with W's,
+    each refined by letting ranks with little idle time absorb more (as the paper's code)."""
+    pl = Placement("v", pp, 2)
+    out: List[Schedule] = []
+    for fill_b in (True, False):
+        for fill_f in (True, False):
+            allowed: Sequence[float] = ()
+            best = None
+            for _ in range(8):
+                try:
+                    rounds = _Rounds(pp, m, costs, cap, fill_b, fill_f, allowed)
+                    ranks = rounds.build()
+                except _Fail:
+                    break
+                worst = max(rounds.idle)
+                if best is not None and worst >= best[0] - EPS:
+                    break
+                best = (worst, ranks)
+                allowed = list(rounds.idle)
+            if best is not None:
+                out.append(Schedule(name, pl, m, costs, best[1]))
+    return out
