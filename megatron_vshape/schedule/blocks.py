@@ -247,4 +247,4 @@ def reorder(
     stalled = [f"rank {q}" for q in range(pp) if len(order[q]) < len(todo[q])]
     if stalled:
         raise Stuck(f"{name}: {', '.join(stalled[:6])} cannot proceed under memory caps {list(caps)}")
-    return Schedule(name, pl, m, costs, ranks, {"interval": T})
+    return Schedule(name, pl, m, costs, ranks, {"interval": T, "makespan": max(free)})

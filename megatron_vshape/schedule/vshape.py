@@ -17,7 +17,6 @@ from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, check_sizes
 from .registry import register
-from .simulate import run_lists
 from .verify import verify
 
 
@@ -83,15 +82,13 @@ def memory_caps(name: str, pp: int, microbatches: int, per_1f1b: int) -> List[in
     return [cap] * pp
 
 
-def _makespan(s: Schedule) -> float:
-    return max(t[-1][2] for t in run_lists(s) if t)
-
-
-# A candidate: (offsets collision-free?, interval stretch, turn, spread, bspread, W lag,
+# A candidate block: (offsets collision-free?, interval stretch, turn, spread, bspread, W lag,
 # reservation), turn and spreads in units of one stage's F, the W lag in intervals; the
-# reservation is one of RESERVE.
+# reservation is one of RESERVE (see blocks.reorder).
 Candidate = Tuple[bool, float, float, float, float, float, str]
 RESERVE = ("ahead", "rank", "safe")
+# A plan is ("block", Candidate) or ("rounds", fill_b, fill_f).
+Plan = tuple
 
 
 def preference_block(pp: int, costs: Costs, cand: Candidate) -> Block:
@@ -103,50 +100,63 @@ def preference_block(pp: int, costs: Costs, cand: Candidate) -> Block:
     return Block(block.placement, costs, interval, start)
 
 
-def _search(name: str, pp: int, m: int, costs: Costs, caps: Sequence[int], candidates: Sequence[Candidate],
-            rounds: bool) -> Schedule:
+def _build(name: str, plan: Plan, pp: int, m: int, costs: Costs, caps: Sequence[int]) -> Schedule:
+    """One candidate schedule with its makespan in meta; raises Stuck or _Fail if it cannot."""
+    if plan[0] == "rounds":
+        return zb_v(name, pp, m, costs, caps[0], plan[1], plan[2])
+    cand = plan[1]
+    block = preference_block(pp, costs, cand)
+    reserve = [2 * r + 1 for r in range(pp)] if cand[6] == "rank" else None
+    s = reorder(block, m, caps, name, reserve=reserve, safe=cand[6] == "safe")
+    s.meta["candidate"] = cand
+    return s
+
+
+# Candidates are compared on at most this many ops per rank; for longer runs the winner is
+# then built once at full length (the steady state repeats, so the ranking carries over).
+SELECT_OPS_PER_RANK = 6 * 48
+
+
+def _search(name: str, pp: int, m: int, costs: Costs, caps_of, plans: Sequence[Plan]) -> Schedule:
     per_stage = costs.per_stage(2)
-    best: Optional[Tuple[float, Schedule]] = None
-    tried: List[str] = []
-    for s in zb_v(name, pp, m, per_stage, caps[0]) if rounds else ():
-        span = _makespan(s)
-        if best is None or span < best[0] - EPS:
-            s.meta.update({"candidate": "rounds"})
-            best = (span, s)
-    for cand in candidates:
+    m_sel = min(m, max(2 * pp + 2, SELECT_OPS_PER_RANK // 6))
+    scored = []
+    for i, plan in enumerate(plans):
         try:
-            block = preference_block(pp, per_stage, cand)
-        except ValueError:
+            s = _build(name, plan, pp, m_sel, per_stage, caps_of(m_sel))
+        except (Stuck, _Fail, ValueError):
             continue
+        scored.append((s.meta["makespan"], i, plan, s))
+    scored.sort(key=lambda x: x[:2])
+    for _, _, plan, s in scored:
+        if m_sel == m:
+            return s
         try:
-            mode = cand[6]
-            reserve = [2 * r + 1 for r in range(pp)] if mode == "rank" else None
-            s = reorder(block, m, caps, name, reserve=reserve, safe=mode == "safe")
-        except Stuck as exc:
-            tried.append(str(exc))
+            return _build(name, plan, pp, m, per_stage, caps_of(m))
+        except (Stuck, _Fail, ValueError):
             continue
-        span = _makespan(s)
-        if best is None or span < best[0] - EPS:
-            s.meta.update({"interval": block.interval, "candidate": cand})
-            best = (span, s)
-    if best is None:
-        raise ConfigError(f"{name}: no V-shape block fits pp={pp}, microbatches={m}: {tried[:1]}")
-    return best[1]
+    # Few microbatches under a tight cap: start a microbatch on a rank only with memory kept
+    # for the second chunk of every microbatch it has started, which can never get stuck.
+    return _build(name, ("block", SAFE), pp, m, per_stage, caps_of(m))
 
 
-CANDIDATES: Dict[str, List[Candidate]] = {
-    "v-min": [(False, 1.0, 0, 0, 2, 3, "rank"), (False, 1.05, 2, 1, 0, 0.5, "ahead"), (False, 1.05, 2, 0, 0, 0.5, "rank")],
-    "v-half": [(True, 1.0, 4, 1, 2, 3, "ahead"), (False, 1.0, 0, 1, 1, 0.5, "ahead")],
-    "v-zb": [(True, 1.0, 0, 0, 1, 3, "ahead"), (False, 1.0, 0, 1, 2, 3, "ahead")],
+PLANS: Dict[str, List[Plan]] = {
+    "v-min": [("block", (False, 1.0, 0, 0, 2, 3, "rank")), ("block", (False, 1.05, 2, 1, 0, 0.5, "ahead")),
+              ("block", (False, 1.05, 2, 0, 0, 0.5, "rank")), ("rounds", True, True)],
+    "v-half": [("block", (True, 1.0, 4, 1, 2, 3, "ahead")), ("block", (False, 1.0, 0, 1, 1, 0.5, "ahead")),
+               ("rounds", True, True)],
+    "v-zb": [("rounds", True, True), ("rounds", True, False), ("rounds", False, False),
+             ("block", (True, 1.0, 0, 0, 1, 3, "ahead"))],
 }
-ROUNDS = {"v-min": True, "v-half": True, "v-zb": True}
+SAFE: Candidate = (False, 1.0, 0, 0, 0, 0, "safe")
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int) -> Schedule:
     check_sizes(name, pp, microbatches)
     costs = costs or Costs()
-    caps = memory_caps(name, pp, microbatches, per_1f1b)
-    return verify(_search(name, pp, microbatches, costs, caps, CANDIDATES[name], ROUNDS[name]))
+    memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first
+    caps_of = lambda m: memory_caps(name, pp, m, per_1f1b)  # noqa: E731
+    return verify(_search(name, pp, microbatches, costs, caps_of, PLANS[name]))
 
 
 @register("v-min")
@@ -174,9 +184,9 @@ class _Rounds:
     Times are computed as ops are placed (the simulator's rules), so the choices see the
     real costs."""
 
-    def __init__(self, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool, allowed: Sequence[float]):
+    def __init__(self, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool):
         self.pp, self.m, self.c, self.cap = pp, m, costs, cap
-        self.fill_b, self.fill_f, self.allowed = fill_b, fill_f, allowed
+        self.fill_b, self.fill_f = fill_b, fill_f
         self.end: Dict[Tuple[str, int, int], float] = {}
         self.cur = [0.0] * pp
         self.mem = [0] * pp
@@ -243,10 +253,8 @@ class _Rounds:
         self.put(r, W, mb=mb, stage=stage)
 
     def budget(self, r: int) -> float:
-        worst = max(self.idle)
-        if self.allowed:
-            worst = max(worst, max(self.allowed) - self.allowed[r])
-        return worst - self.idle[r]
+        """How much more this rank may idle before it exceeds the worst rank so far."""
+        return max(self.idle) - self.idle[r]
 
     def before(self, r: int, kind: str, chunk: int, fill: bool) -> None:
         """Fill the wait for this op's input with W's; give up a W rather than idle past the budget."""
@@ -323,26 +331,8 @@ class _Fail(Exception):
     """A construction choice that does not work for these sizes; another candidate will."""
 
 
-def zb_v(name: str, pp: int, m: int, costs: Costs, cap: int) -> List[Schedule]:
-    """V-ZB candidates: the round construction with and without filling waits with W's,
-    each refined by letting ranks with little idle time absorb more (as the paper's code)."""
-    pl = Placement("v", pp, 2)
-    out: List[Schedule] = []
-    for fill_b in (True, False):
-        for fill_f in (True, False):
-            allowed: Sequence[float] = ()
-            best = None
-            for _ in range(8):
-                try:
-                    rounds = _Rounds(pp, m, costs, cap, fill_b, fill_f, allowed)
-                    ranks = rounds.build()
-                except _Fail:
-                    break
-                worst = max(rounds.idle)
-                if best is not None and worst >= best[0] - EPS:
-                    break
-                best = (worst, ranks)
-                allowed = list(rounds.idle)
-            if best is not None:
-                out.append(Schedule(name, pl, m, costs, best[1]))
-    return out
+def zb_v(name: str, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool) -> Schedule:
+    """The round construction as a schedule, its makespan in meta."""
+    r = _Rounds(pp, m, costs, cap, fill_b, fill_f)
+    r.build()
+    return Schedule(name, Placement("v", pp, 2), m, costs, r.ranks, {"makespan": max(r.cur), "candidate": ("rounds", fill_b, fill_f)})
