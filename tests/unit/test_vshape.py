@@ -1,0 +1,144 @@
+"""V-ZB, V-Half and V-Min: valid for every size they serve, within their memory, and at the
+issue's figures."""
+import pytest
+
+from megatron_vshape.schedule import registry
+from megatron_vshape.schedule.errors import ConfigError
+from megatron_vshape.schedule.ops import BW, F, Costs, Op, Placement, Schedule
+from megatron_vshape.schedule.simulate import simulate
+from megatron_vshape.schedule.verify import verify
+from megatron_vshape.schedule.vshape import v_half, v_min, v_zb
+
+GENERATORS = {"v-zb": v_zb, "v-half": v_half, "v-min": v_min}
+# Microbatches of 1F1B's rank-0 memory (out of p) each schedule may hold, per the paper.
+SHARE = {"v-zb": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
+UNIT = Costs(1, 1, 1, 0)
+SKEWED = Costs(2, 2.2, 1.6, 0.05)
+
+
+def min_microbatches(name, p):
+    """Fewest microbatches whose memory limit still holds one microbatch's two chunks."""
+    return next(m for m in range(1, p + 1) if 2 * m * SHARE[name](p) >= 2 * p)
+
+
+def one_f_one_b(p, m, costs):
+    """The reference: 1F1B on `single` with combined backward, the usual warm-up of p-1-r
+    forwards, then one forward and one backward in turn, then the remaining backwards."""
+    ranks = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        ops = [Op(F, k, r) for k in range(warm)]
+        for k in range(m - warm):
+            ops += [Op(F, warm + k, r), Op(BW, k, r)]
+        ops += [Op(BW, k, r) for k in range(m - warm, m)]
+        ranks.append(ops)
+    return verify(Schedule("1f1b-reference", Placement("single", p), m, costs, ranks))
+
+
+def check(name, p, m, costs=UNIT):
+    s = GENERATORS[name](p, m, costs)
+    verify(s)
+    assert s.name == name and s.placement == Placement("v", p, 2) and s.microbatches == m
+    assert s.costs == costs.per_stage(2)
+    assert s.split_backward
+    result = simulate(s)
+    limit = SHARE[name](p) / p
+    assert max(result.peak_vs_1f1b) <= limit + 1e-12, (name, p, m, result.peak_vs_1f1b)
+    return s, result
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+@pytest.mark.parametrize("p", range(2, 17))
+def test_valid_and_within_memory_for_every_size(name, p):
+    sizes = {1, 2, p - 1, p, 2 * p + 1, 8 * p} - {0}
+    for m in sorted(sizes):
+        if m < min_microbatches(name, p):
+            continue
+        check(name, p, m)
+    check(name, p, 2 * p + 1, SKEWED)
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+@pytest.mark.parametrize("p", [3, 8, 16])
+def test_too_few_microbatches_name_the_minimum(name, p):
+    need = min_microbatches(name, p)
+    if need > 1:
+        with pytest.raises(ConfigError, match=f"microbatches >= {need}"):
+            GENERATORS[name](p, need - 1)
+    check(name, p, need)
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_bad_sizes_are_config_errors(name):
+    with pytest.raises(ConfigError, match="pp >= 2"):
+        GENERATORS[name](1, 8)
+    with pytest.raises(ConfigError, match="microbatches"):
+        GENERATORS[name](4, 0)
+
+
+def test_v_min_needs_three_microbatches_at_pp16():
+    assert min_microbatches("v-min", 16) == 3
+    with pytest.raises(ConfigError, match="microbatches >= 3"):
+        v_min(16, 2)
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_registered_and_deterministic(name):
+    assert name in registry.names()
+    a = registry.build(name, 6, 15, SKEWED)
+    b = GENERATORS[name](6, 15, SKEWED)
+    assert a.ranks == b.ranks
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+@pytest.mark.parametrize("costs", [UNIT, SKEWED])
+def test_recorded_makespan_is_the_simulated_one(name, costs):
+    s = GENERATORS[name](8, 20, costs)
+    assert s.meta["makespan"] == pytest.approx(simulate(s).makespan)
+
+
+# --- the issue's figures -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p,m", [(8, 24), (4, 12), (16, 48)])
+def test_v_zb_unit_costs_only_start_up_bubble(p, m):
+    s, r = check("v-zb", p, m)
+    c = s.costs
+    bound = (p - 1) * c.F / ((p - 1) * c.F + 2 * m * (c.F + c.B + c.W))
+    assert r.bubble_rate == pytest.approx(bound, abs=1e-9)
+    assert r.span_bubble_rate < 0.005
+    if (p, m) == (8, 24):
+        assert round(r.bubble_rate * 100, 2) == 4.64
+
+
+def test_v_zb_skewed_costs():
+    _, r = check("v-zb", 8, 24, SKEWED)
+    assert r.bubble_rate <= 0.064
+
+
+@pytest.mark.parametrize("m,limit", [(24, 0.106), (64, 0.043)])
+def test_v_half_bubble(m, limit):
+    _, r = check("v-half", 8, m)
+    assert r.bubble_rate <= limit
+
+
+@pytest.mark.parametrize("m,limit", [(24, 0.158), (64, 0.066)])
+def test_v_min_bubble(m, limit):
+    _, r = check("v-min", 8, m)
+    assert r.bubble_rate <= limit
+
+
+def test_v_min_keeps_up_with_1f1b_on_skewed_costs():
+    """At a third of 1F1B's memory, V-Min runs within 2% of 1F1B's makespan on the same model."""
+    _, r = check("v-min", 8, 24, SKEWED)
+    reference = simulate(one_f_one_b(8, 24, SKEWED)).makespan
+    print(f"\nv-min {r.makespan:.2f} vs 1F1B {reference:.2f} ({r.makespan / reference - 1:+.2%})")
+    assert r.makespan <= 1.02 * reference
+    if "1f1b" in registry.names():  # the registered baseline, once it exists, is the same 1F1B
+        assert simulate(registry.build("1f1b", 8, 24, SKEWED)).makespan == pytest.approx(reference)
+
+
+def test_reference_1f1b_is_1f1b():
+    r = simulate(one_f_one_b(8, 24, UNIT))
+    assert r.bubble_rate == pytest.approx(7 / 31)
+    assert r.peak_activations == [8, 7, 6, 5, 4, 3, 2, 1]
