@@ -173,53 +173,58 @@ def reorder(
     free = [0.0] * pp  # when each rank's current op ends
     heap = [(0.0, r) for r in range(pp)]
     inf = math.inf
+    # Per stage: the hop cost of its forward input and of its backward input (inf: none).
+    f_hop = [inf] + [C if rank[s - 1] != rank[s] else 0.0 for s in range(1, S)]
+    b_hop = [C if rank[s + 1] != rank[s] else 0.0 for s in range(S - 1)] + [inf]
     while heap:
         t, r = heapq.heappop(heap)
         if t != wake[r]:
             continue  # superseded wake-up
         ops = todo[r]
-        h = head[r]
-        while h < len(ops) and end[ops[h]] >= 0:
+        n, h = len(ops), head[r]
+        while h < n and end[ops[h]] >= 0:
             h += 1
         head[r] = h
         chosen, soonest, skipped_f, seen, i = -1, inf, 0, 0, h
-        while i < len(ops) and seen < window:
+        room = caps[r] - live[r] - 1  # F's this rank may still start
+        limit = t + EPS
+        while i < n and seen < window:
             op = ops[i]
             i += 1
             if end[op] >= 0:
                 continue
             seen += 1
-            slot, s = op % 3, (op // 3) % S
+            slot = op % 3
             # Inputs, as in comm.py: F needs F of the previous stage; B (or BW) needs its own
             # F and the backward of the next stage; W needs its own B.
             if slot == 0:
-                ready = 0.0 if s == 0 else end[op - 3] + (C if rank[s - 1] != rank[s] else 0.0)
-                if s and end[op - 3] < 0:
-                    ready = inf
-            elif slot == 1:
-                ready = end[op - 1]
-                if ready < 0:
-                    ready = inf
-                elif s < S - 1:
-                    e = end[op + 3]
-                    ready = inf if e < 0 else max(ready, e + (C if rank[s + 1] != r else 0.0))
-            else:
-                ready = end[op - 1]
-                if ready < 0:
-                    ready = inf
-            if slot != 0:
-                fits = True
-            elif safe:
-                fits = live[r] + 1 + (pending[r] + later if s == first[r] else 0) <= caps[r]
-            else:
-                fits = live[r] + 1 + (skipped_f if reserve is None else min(skipped_f, reserve[r])) <= caps[r]
-            if fits and ready <= t + EPS:
-                chosen = op
-                break
-            if fits and ready < soonest:
-                soonest = ready
-            if slot == 0:
+                s = (op // 3) % S
+                if s == 0:
+                    ready = 0.0
+                else:
+                    e = end[op - 3]
+                    ready = e + f_hop[s] if e >= 0 else inf
+                if safe:
+                    fits = (pending[r] + later if s == first[r] else 0) <= room
+                else:
+                    fits = (skipped_f if reserve is None else min(skipped_f, reserve[r])) <= room
                 skipped_f += 1
+            else:
+                ready = end[op - 1]
+                if ready < 0:
+                    ready = inf
+                elif slot == 1:
+                    s = (op // 3) % S
+                    if s < S - 1:
+                        e = end[op + 3]
+                        ready = inf if e < 0 else max(ready, e + b_hop[s])
+                fits = True
+            if fits:
+                if ready <= limit:
+                    chosen = op
+                    break
+                if ready < soonest:
+                    soonest = ready
         if chosen < 0:
             wake[r] = soonest
             if soonest < inf:
