@@ -94,8 +94,10 @@ def _reference_rank(rank, world_size, tiny, m, steps, lr):
     return reference_run(tiny, m, steps=steps, lr=lr)
 
 
-def _run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect):
-    """Build the chunks for `name` and run `steps` steps; per-rank results."""
+def run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect):
+    """Inside a launched rank: build the tiny GPT's chunks for schedule `name`, run `steps` steps
+    (SGD with `lr` between them) and return this rank's losses, gradients (when `collect`), measured
+    peak activation bytes and per-stage activation bytes."""
     import torch
     from megatron.core import parallel_state
 
@@ -161,7 +163,7 @@ def _stage_activation_bytes(tiny, chunks, placement, pp_rank):
 def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
     from ..testing.tiny_gpt import portable
 
-    result = _run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect=True)
+    result = run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect=True)
     # 1F1B on the same model, one step: the memory baseline.  Megatron's tied embeddings across
     # ranks need CUDA, and tying does not change what is saved for backward, so on CPU it runs untied.
     import dataclasses
@@ -169,7 +171,7 @@ def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
     import torch
 
     base = tiny if torch.cuda.is_available() or not tiny.tied_embeddings else dataclasses.replace(tiny, tied_embeddings=False)
-    baseline = _run_schedule(base, BASELINE, pp, tp, m, 1, 0.0, timeout, collect=False)
+    baseline = run_schedule(base, BASELINE, pp, tp, m, 1, 0.0, timeout, collect=False)
     result["peak_bytes_1f1b"] = baseline["peak_bytes"]
     result["stage_bytes_1f1b"] = baseline["stage_bytes"]
     return portable(result)
