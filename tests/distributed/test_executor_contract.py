@@ -1,0 +1,175 @@
+"""Megatron's forward-backward contract, on the linear stack: forward_only, non-loss data,
+per-token loss with the token count on the last pipeline rank, grad_scale_func, grad/param
+sync callbacks derived from the op list, losses shipped from rank 0 (V shape) to rank p-1,
+and a stuck receive that becomes an error naming the rank, the op and the peer."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatron_vshape.integration.launch import LaunchError, launch
+from test_executor_linear import HIDDEN, MBS, SEQ, Stage, _batch, _config, _grad, _names, build, forward_step, reference
+
+SCHEDULES = ["1f1b", "v-zb", "local/v/split/reversed"]
+
+
+def _chunks(sched, rank, cfg):
+    return [Stage(cfg, s, sched.placement.num_stages) for s in sched.placement.stages_of(rank)]
+
+
+def _iters(chunks, m):
+    return [iter([_batch(mb) for mb in range(m)]) for _ in chunks]
+
+
+def _fb(name, sched, **kw):
+    from megatron_vshape.runtime.executor import get_forward_backward_func
+
+    kw.setdefault("p2p_timeout", 60)
+    return get_forward_backward_func(sched if name.startswith("local/") else name, **kw)
+
+
+def _non_loss(target, out, non_loss_data=False):
+    assert non_loss_data
+    return {"first": out.detach()[0, 0, :2].clone()}
+
+
+def _forward_step_non_loss(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["x"] if model.stage == 0 else None)
+    return out, functools.partial(_non_loss, b["target"])
+
+
+def _per_token_loss(target, out):
+    loss = torch.nn.functional.mse_loss(out, target, reduction="sum")
+    tokens = torch.tensor(target.numel(), dtype=torch.int)
+    return loss, tokens, {"loss": loss.detach().clone()}
+
+
+def _forward_step_per_token(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["x"] if model.stage == 0 else None)
+    return out, functools.partial(_per_token_loss, b["target"])
+
+
+def _job(rank, world_size, m):
+    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+
+    init_megatron(tp=1, pp=world_size)
+    out = {}
+    for name in SCHEDULES:
+        sched = build(name, world_size, m)
+        res = out[name] = {}
+
+        # forward_only evaluation: losses on the last rank, no gradients anywhere
+        cfg = _config()
+        chunks = _chunks(sched, rank, cfg)
+        with torch.no_grad():
+            losses = _fb(name, sched)(forward_step_func=forward_step, data_iterator=_iters(chunks, m), model=chunks,
+                                      num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+        res["eval_losses"] = [d["loss"].item() for d in losses]
+        res["eval_grads"] = [n for c in chunks for n, p in _names(c).items() if p.grad is not None]
+
+        # collect_non_loss_data
+        with torch.no_grad():
+            data = _fb(name, sched)(forward_step_func=_forward_step_non_loss, data_iterator=_iters(chunks, m),
+                                    model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
+                                    forward_only=True, collect_non_loss_data=True)
+        res["non_loss"] = [d["first"] for d in data]
+
+        # per-token loss, grad_scale_func, finalize/grad-sync/param-sync callbacks
+        cfg = _config()
+        cfg.calculate_per_token_loss = True
+        cfg.grad_scale_func = lambda loss: loss * 4.0
+        chunks = _chunks(sched, rank, cfg)
+        events = res["events"] = []
+        snapshots = res["grad_at_sync"] = {}
+
+        def grad_sync(c, params):
+            events.append(("grad_sync", c))
+            snapshots.update({k: _grad(p) for k, p in _names(chunks[c]).items()})
+
+        def param_sync(c, params):
+            events.append(("param_sync", c, all(p.grad is None for p in chunks[c].parameters())))
+
+        def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
+            events.append(("finalize", None if num_tokens is None else int(num_tokens)))
+
+        cfg.grad_sync_func = [functools.partial(grad_sync, c) for c in range(len(chunks))]
+        cfg.param_sync_func = [functools.partial(param_sync, c) for c in range(len(chunks))]
+        cfg.finalize_model_grads_func = finalize
+        losses = _fb(name, sched)(forward_step_func=_forward_step_per_token, data_iterator=_iters(chunks, m),
+                                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        res["token_losses"] = [d["loss"].item() for d in losses]
+        res["grads"] = {k: _grad(p) for c in chunks for k, p in _names(c).items()}
+        if rank == 0:  # megatron-core's layers need the parallel state of a launched rank
+            res["reference"] = reference(sched.num_stages, m)
+    destroy_megatron()
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_contract(pp):
+    m = 2 * pp + 1
+    jobs = launch(_job, pp, (m,), timeout=240)
+    for name in SCHEDULES:
+        ref_losses, ref_grads = jobs[0][name]["reference"]
+        last = jobs[pp - 1][name]
+        for r in range(pp - 1):
+            assert jobs[r][name]["eval_losses"] == [] and jobs[r][name]["non_loss"] == []
+            assert jobs[r][name]["token_losses"] == []
+        torch.testing.assert_close(torch.tensor(last["eval_losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        assert len(last["non_loss"]) == m
+        elems = SEQ * MBS * HIDDEN
+        torch.testing.assert_close(torch.tensor(last["token_losses"]), torch.tensor(ref_losses) * elems,
+                                   rtol=1e-5, atol=0)
+        for r, job in enumerate(jobs):
+            res = job[name]
+            assert res["eval_grads"] == [], f"{name}: forward_only left gradients on rank {r}"
+            chunks = build(name, pp, m).placement.chunks
+            finals = [e for e in res["events"] if e[0] == "finalize"]
+            assert len(finals) == 1
+            if r == pp - 1:  # Megatron reads the token count on the last pipeline rank
+                assert finals[0][1] == m * elems, f"{name}: rank {r} token count {finals[0][1]}"
+            assert sorted(e[1] for e in res["events"] if e[0] == "grad_sync") == list(range(chunks))
+            param_syncs = [e for e in res["events"] if e[0] == "param_sync"]
+            assert sorted(e[1] for e in param_syncs) == list(range(chunks)) and all(e[2] for e in param_syncs)
+            assert res["events"][-1][0] == "finalize"
+            # grad_sync comes after the chunk's last gradient contribution
+            for k, g in res["grad_at_sync"].items():
+                assert torch.equal(g, res["grads"][k]), f"{name}: {k} changed after grad_sync"
+            # loss * 4 (grad_scale_func), summed not averaged (per-token): grads = ref * 4 * m * elems
+            for k, g in res["grads"].items():
+                want = ref_grads[k] * 4 * m * elems
+                err = ((g - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-5, f"{name}: {k} relative error {err:.1e}"
+
+
+def _stuck_job(rank, world_size):
+    """Rank 1 never joins the step: rank 0 must fail with a clear error instead of hanging."""
+    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+    from megatron_vshape.runtime.p2p import directional_groups
+
+    init_megatron(tp=1, pp=world_size)
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    directional_groups(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
+    if rank == 1:
+        import time
+
+        time.sleep(30)
+        return None
+    sched = build("local/v/split/now", world_size, 2)
+    cfg = _config()
+    chunks = _chunks(sched, rank, cfg)
+    _fb("local/v", sched, p2p_timeout=2)(forward_step_func=forward_step, data_iterator=_iters(chunks, 2),
+                                         model=chunks, num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS)
+    destroy_megatron()
+
+
+def test_stuck_receive_names_rank_op_and_peer():
+    with pytest.raises(LaunchError, match=r"rank 0 of 2 failed(.|\n)*P2PTimeout: rank 0: F0@3 waiting to receive "
+                                          r"act0:2->3 from rank 1: nothing arrived within 2s"):
+        launch(_stuck_job, 2, timeout=25)
