@@ -1,0 +1,250 @@
+"""CPU benchmark (not a test): every schedule on the tiny GPT, and torch.distributed.pipelining's
+ZBV and 1F1B on the same model, side by side.
+
+For each pp, one launch of pp gloo ranks runs, per schedule, --warmup + --steps steps and reports:
+  step ms        median wall time of a step (slowest rank, ranks released together by a barrier)
+  bubble         measured: 1 - busiest rank's op time / makespan, from recorded op start/end times
+  sim bubble     the simulator's bubble rate for the same op lists fed with the measured op costs
+  overhead       measured makespan / simulated makespan (same measured costs)
+  peak bytes     bytes of tensors saved for backward, per rank (max over ranks shown, and per rank in CSV)
+torch.distributed.pipelining rows have no op times (its schedules do not expose them): step time and
+peak bytes only.  Timings on an oversubscribed CPU are noisy; nothing here is asserted.
+
+  .venv/bin/python scripts/bench/cpu_pipeline.py --pp 2 4 --csv /tmp/cpu_pipeline.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import statistics
+import sys
+import time
+
+from megatron_vshape.integration.launch import launch
+from megatron_vshape.schedule import registry
+from megatron_vshape.testing.tiny_gpt import TinyGPT
+
+TORCH_SCHEDULES = ("torch-zbv", "torch-1f1b")
+
+
+def _barrier_time():
+    import torch.distributed as dist
+
+    dist.barrier()
+    return time.perf_counter()
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _ours(tiny, name, pp, m, warmup, steps):
+    from megatron_vshape.runtime.executor import get_forward_backward_func
+    from megatron_vshape.runtime.stats import Recorder
+    from megatron_vshape.testing.tiny_gpt import build_chunks, data_iterators, forward_step, init_parallel
+
+    placement = registry.build(name, pp, m).placement
+    init_parallel(1, pp, placement, seed=tiny.seed)
+    chunks = build_chunks(tiny, placement)
+    recorder = Recorder()
+    step_fn = get_forward_backward_func(name, stats=recorder)
+    times, ops, t0 = [], [], 0.0
+    for step in range(warmup + steps):
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        recorder.ops.clear()
+        t0 = _barrier_time()
+        step_fn(forward_step_func=forward_step, data_iterator=data_iterators(tiny, step, m, len(chunks)),
+                model=chunks, num_microbatches=m, seq_length=tiny.seq_length,
+                micro_batch_size=tiny.micro_batch_size)
+        elapsed = _slowest(time.perf_counter() - t0)
+        if step >= warmup:
+            times.append(elapsed)
+            ops = [(k, mb, s, a - t0, b - t0) for k, mb, s, a, b in recorder.ops]
+    return {"times": times, "ops": ops, "t0": t0, "peak": recorder.peak_bytes}
+
+
+class _TorchStage:
+    """Adapter: a megatron chunk as a torch.distributed.pipelining stage module."""
+
+    @staticmethod
+    def make(chunk, tiny):
+        import torch
+
+        class Stage(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.chunk = chunk
+
+            def forward(self, x):
+                b = x.shape[0] if chunk.pre_process else x.shape[1]
+                pos = torch.arange(tiny.seq_length).expand(b, tiny.seq_length)
+                if chunk.pre_process:
+                    return self.chunk(x, pos, None)
+                self.chunk.set_input_tensor(x)
+                return self.chunk(None, pos, None)
+
+        return Stage()
+
+
+def _torch(tiny, name, pp, m, warmup, steps):
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+
+    from megatron_vshape.runtime.stats import Recorder
+    from megatron_vshape.schedule.ops import Placement
+    from megatron_vshape.testing.tiny_gpt import batch, build_chunks, init_parallel
+
+    placement = Placement("v", pp, 2) if name == "torch-zbv" else Placement("single", pp, 1)
+    init_parallel(1, pp, placement, seed=tiny.seed)
+    chunks = build_chunks(tiny, placement)
+    rank = torch.distributed.get_rank()
+    stages = [PipelineStage(_TorchStage.make(c, tiny), s, placement.num_stages, torch.device("cpu"))
+              for c, s in zip(chunks, placement.stages_of(rank))]
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+    if name == "torch-zbv":
+        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+    else:
+        schedule = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    recorder, times = Recorder(), []
+    recorder.exclude_parameters(p for c in chunks for p in c.parameters())
+    holds_first = 0 in placement.stages_of(rank)
+    holds_last = placement.num_stages - 1 in placement.stages_of(rank)
+    for step in range(warmup + steps):
+        mbs = [batch(tiny, step, i) for i in range(m)]
+        tokens = torch.cat([b["tokens"] for b in mbs])
+        labels = torch.cat([b["labels"] for b in mbs])
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        t0 = _barrier_time()
+        with recorder.saved_tensors():
+            schedule.step(*((tokens,) if holds_first else ()), target=labels if holds_last else None)
+        elapsed = _slowest(time.perf_counter() - t0)
+        if step >= warmup:
+            times.append(elapsed)
+    return {"times": times, "ops": None, "peak": recorder.peak_bytes}
+
+
+def _rank(rank, world_size, tiny, m, names, warmup, steps):
+    out = {}
+    for name in names:
+        run = _torch if name in TORCH_SCHEDULES else _ours
+        out[name] = run(tiny, name, world_size, m, warmup, steps)
+    return out
+
+
+def _measured(per_rank_ops):
+    """(makespan, bubble rate, mean op costs by kind) from every rank's (kind, mb, stage, start, end)."""
+    start = min(o[3] for ops in per_rank_ops for o in ops)
+    end = max(o[4] for ops in per_rank_ops for o in ops)
+    busy = max(sum(o[4] - o[3] for o in ops) for ops in per_rank_ops)
+    by_kind = {}
+    for ops in per_rank_ops:
+        for kind, _, _, a, b in ops:
+            by_kind.setdefault(kind, []).append(b - a)
+    mean = {k: statistics.mean(v) for k, v in by_kind.items()}
+    return end - start, 1 - busy / (end - start), mean
+
+
+def _simulated(name, pp, m, mean):
+    from megatron_vshape.schedule.ops import Costs
+    from megatron_vshape.schedule.simulate import simulate
+
+    schedule = registry.build(name, pp, m)
+    if "BW" in mean:  # no split: give B and W halves of the measured combined backward
+        b = w = mean["BW"] / 2
+    else:
+        b, w = mean["B"], mean["W"]
+    schedule = dataclasses.replace(schedule, costs=Costs(mean["F"], b, w, 0.0))
+    return simulate(schedule)
+
+
+def bench(pp, m, tiny, names, warmup, steps, timeout):
+    results = launch(_rank, pp, (tiny, m, names, warmup, steps), timeout=timeout, backend="gloo")
+    rows = []
+    base = results[0]["1f1b"]["peak"] if "1f1b" in names else None
+    for name in names:
+        runs = [r[name] for r in results]
+        row = {"pp": pp, "microbatches": m, "schedule": name,
+               "step_ms": 1e3 * statistics.median(runs[0]["times"]),
+               "peak_bytes": [r["peak"] for r in runs]}
+        row["peak_vs_1f1b"] = max(row["peak_bytes"]) / base if base else None
+        if runs[0]["ops"] is not None:
+            makespan, bubble, mean = _measured([r["ops"] for r in runs])
+            sim = _simulated(name, pp, m, mean)
+            row.update(bubble=bubble, sim_bubble=sim.bubble_rate, overhead=makespan / sim.makespan,
+                       makespan_ms=1e3 * makespan, sim_makespan_ms=1e3 * sim.makespan)
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec):
+    return format(v, spec) if v is not None else format("-", spec.rstrip("f").split(".")[0])
+
+
+def print_table(rows, tiny):
+    print(f"tiny GPT: hidden={tiny.hidden_size} seq={tiny.seq_length} micro_batch={tiny.micro_batch_size} "
+          f"vocab={tiny.vocab_size}; layers per pp: see header; CPU gloo, 1 thread per rank")
+    last_pp = None
+    for r in rows:
+        if r["pp"] != last_pp:
+            last_pp = r["pp"]
+            print(f"\npp={r['pp']} microbatches={r['microbatches']}")
+            print(f"  {'schedule':<17} {'step ms':>8} {'bubble':>7} {'sim bubble':>10} {'overhead':>8} "
+                  f"{'max peak B':>11} {'vs 1f1b':>7}")
+        print(f"  {r['schedule']:<17} {r['step_ms']:>8.1f} {_fmt(r.get('bubble'), '>7.3f')} "
+              f"{_fmt(r.get('sim_bubble'), '>10.3f')} {_fmt(r.get('overhead'), '>8.3f')} "
+              f"{max(r['peak_bytes']):>11} {_fmt(r['peak_vs_1f1b'], '>7.3f')}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--microbatches", type=int, default=None, help="default 2*pp")
+    p.add_argument("--layers-per-stage", type=int, default=1, help="layers per V stage (a 1F1B stage holds twice that)")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--schedules", nargs="+", default=None, help="default: every registered schedule and torch's")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--csv", default=None)
+    args = p.parse_args(argv)
+    names = args.schedules or registry.names() + list(TORCH_SCHEDULES)
+    rows = []
+    for pp in args.pp:
+        m = args.microbatches or 2 * pp
+        tiny = TinyGPT(num_layers=2 * pp * args.layers_per_stage, hidden_size=args.hidden_size,
+                       seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        runnable = []
+        for name in names:
+            try:
+                if name not in TORCH_SCHEDULES:
+                    registry.build(name, pp, m)
+                runnable.append(name)
+            except Exception as e:  # a schedule that cannot run these sizes is reported, not benchmarked
+                print(f"skip {name} at pp={pp}, microbatches={m}: {e}", file=sys.stderr)
+        rows += bench(pp, m, tiny, runnable, args.warmup, args.steps, args.timeout)
+    print_table(rows, tiny)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"\nwrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
