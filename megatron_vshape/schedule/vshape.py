@@ -1,12 +1,17 @@
 """V-shape schedules of the paper: V-ZB, V-Half, V-Min.
 
 Placement `v`: rank r holds stages r and 2p-1-r, so one microbatch's forward runs down the
-ranks and back up, and its backward does the same in reverse.  Every schedule here is built
-the paper's way: a V-shape building block under the per-stage costs, repeated, squeezed and
-reordered under a memory cap.  The caps are the paper's: V-Min (p+4)//3, V-Half (p+2)//2
-and V-ZB p microbatches' worth of 1F1B activations per rank.  Which block is best depends on
-the costs, so the generator tries a few and keeps the one whose simulated makespan is
-shortest (deterministically; ties go to the first tried).
+ranks and back up, and its backward does the same in reverse.  Each schedule keeps to the
+paper's memory limit per rank: V-Min (p+4)//3, V-Half (p+2)//2 and V-ZB p microbatches'
+worth of 1F1B's activations (two half-size stage-activations per microbatch).
+
+V-Min and V-Half are built the paper's way: a V-shape building block laid out under the
+real per-stage costs, repeated, and list-scheduled under the memory cap (blocks.reorder:
+squeeze and reorder in one pass).  V-ZB uses the paper's round construction (ZB-V): fill
+up with forwards, then one backward and one forward per rank per round, W's kept back to
+fill waits.  Which block or variant is best depends on the costs, so each generator builds
+its few plans, simulates them and keeps the shortest (deterministically; ties go to the
+first plan).  The result is verified before it is returned.
 """
 from __future__ import annotations
 
@@ -152,7 +157,9 @@ PLANS: Dict[str, List[Plan]] = {
 SAFE: Candidate = (False, 1.0, 0, 0, 0, 0, "safe")
 
 
-def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int) -> Schedule:
+def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:
+    if options:
+        raise ConfigError(f"{name}: unknown option(s) {sorted(options)}; this schedule takes none")
     check_sizes(name, pp, microbatches)
     costs = costs or Costs()
     memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first
@@ -161,29 +168,34 @@ def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per
 
 
 @register("v-min")
-def v_min(pp: int, microbatches: int, costs: Costs = Costs()) -> Schedule:
+def v_min(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 of p microbatches)."""
-    return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3)
+    return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3, options)
 
 
 @register("v-half")
-def v_half(pp: int, microbatches: int, costs: Costs = Costs()) -> Schedule:
+def v_half(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-Half: about half of 1F1B's activation memory ((p+2)//2 of p microbatches)."""
-    return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2)
+    return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2, options)
 
 
 @register("v-zb")
-def v_zb(pp: int, microbatches: int, costs: Costs = Costs()) -> Schedule:
+def v_zb(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-ZB: 1F1B's activation memory, almost no bubble."""
-    return _generate("v-zb", pp, microbatches, costs, pp)
+    return _generate("v-zb", pp, microbatches, costs, pp, options)
 
 
 class _Rounds:
-    """V-ZB's construction (the zero-bubble V schedule, ZB-V): ranks fill up with forwards
-    as far as memory and the first returning forward allow, then every round gives each
-    rank one backward and one forward; W's are kept back to fill waits or to free memory.
-    Times are computed as ops are placed (the simulator's rules), so the choices see the
-    real costs."""
+    """V-ZB's construction (ZB-V, the strategy of the paper's released code, written anew).
+
+    Warm-up: rank r runs chunk-0 forwards while 2 + 2r stage-activations stay free for the
+    returning chunk-1 forwards and the first of those has not arrived yet; then ranks catch
+    up on forwards so each holds as many as its left neighbour.  Then 2m rounds: every rank
+    runs one backward (the one whose input is there, chunk 1 first) and one forward.  A W is
+    run before an op when it fits entirely before that op's input arrives, when waiting
+    would push this rank's idle time past the worst rank's, or when memory is needed.
+    Times are computed as ops are placed (the simulator's rules), so choices see real costs.
+    """
 
     def __init__(self, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool):
         self.pp, self.m, self.c, self.cap = pp, m, costs, cap

@@ -142,3 +142,9 @@ def test_reference_1f1b_is_1f1b():
     r = simulate(one_f_one_b(8, 24, UNIT))
     assert r.bubble_rate == pytest.approx(7 / 31)
     assert r.peak_activations == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_unknown_option_is_a_config_error(name):
+    with pytest.raises(ConfigError, match="unknown option"):
+        registry.build(name, 4, 8, UNIT, chunks=3)
