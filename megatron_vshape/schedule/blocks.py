@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule
-from .simulate import _dependencies
+from .comm import input_message, is_remote, local_predecessor
 
 EPS = 1e-9
 Slot = Tuple[str, int]  # (op kind, global stage)
@@ -79,11 +79,16 @@ class Block:
         """Dependency violations and collisions between repeated copies (empty when legal)."""
         out: List[str] = []
         pl, T, c = self.placement, self.interval, self.costs
-        probe = Schedule("block", pl, 1, c, [[] for _ in range(pl.pp)])
+        back = B if any(k == B for k, _ in self.start) else BW
         for (kind, stage), t in self.start.items():
-            for (dkind, _, dstage), remote in _dependencies(Op(kind, 0, stage), probe):
-                dkind = {"G": B if (B, dstage) in self.start else BW}.get(dkind, dkind)
-                ready = self.end(dkind, dstage) + (c.C if remote else 0.0)
+            op = Op(kind, 0, stage)
+            inputs = [((k, stage), 0.0) for k in local_predecessor(op) or () if (k, stage) in self.start]
+            msg = input_message(op, pl.num_stages)
+            if msg is not None:
+                src = (F if kind == F else back, msg.src_stage)
+                inputs.append((src, c.C if is_remote(msg, pl) else 0.0))
+            for (dkind, dstage), hop in inputs:
+                ready = self.end(dkind, dstage) + hop
                 if t < ready - EPS:
                     out.append(f"{kind}@{stage} starts at {t:g} before its input is ready at {ready:g}")
         for rank in range(pl.pp):
