@@ -148,3 +148,21 @@ def test_reorder_combined_backward_on_single():
     assert peak_activations(s) == [4, 3, 2, 1]
     assert all(op.kind in (F, BW) for ops in s.ranks for op in ops)
     assert Op(BW, 9, 0) in s.ranks[0]
+
+
+@pytest.mark.parametrize("p", range(2, 17))
+def test_v_half_block_lifespans_give_the_papers_memory(p):
+    """V-Half's block spaces the chunk-0 forwards and the chunk-1 backwards one op apart; its
+    lifespans then sum, per rank, to (p+2)//2 microbatches' worth of 1F1B activations, and the
+    squeezed schedule holds exactly what the lifespans say."""
+    costs = Costs(1.0, 1.0, 1.0, 0.0)
+    legal = []
+    for turn in range(6):
+        block = v_block(p, costs, 6.0, turn, 1.0, 1.0)
+        if not block.problems():
+            legal.append(block)
+    assert legal
+    block = min(legal, key=lambda b: max(b.peak_bound(r) for r in range(p)))
+    assert max(block.peak_bound(r) for r in range(p)) == 2 * ((p + 2) // 2)
+    schedule = verify(squeeze(block, 3 * p, "v-half-block"))
+    assert peak_activations(schedule) == [block.steady_peak(r) for r in range(p)]
