@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 from .errors import ConfigError
@@ -72,11 +73,15 @@ class Placement:
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
+    @cached_property
+    def _rank_table(self) -> Tuple[int, ...]:
+        # Looked up for every op by the verifier and simulator: computed once per placement.
+        return tuple(2 * self.pp - 1 - s if self.kind == "v" and s >= self.pp else s % self.pp for s in range(self.num_stages))
+
     def rank_of(self, stage: int) -> int:
-        self._check_stage(stage)
-        if self.kind == "v" and stage >= self.pp:
-            return 2 * self.pp - 1 - stage
-        return stage % self.pp
+        if not 0 <= stage < self.num_stages:
+            self._check_stage(stage)
+        return self._rank_table[stage]
 
     def chunk_of(self, stage: int) -> int:
         self._check_stage(stage)

@@ -10,8 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .comm import input_message, is_remote
-from .ops import BACKWARD_KINDS, F, RELEASE_KINDS, W, Op, Schedule
+from .ops import B, BACKWARD_KINDS, BW, F, RELEASE_KINDS, W, Op, Schedule
 
 Key = Tuple[str, int, int]  # ("F" | "G" (B or BW) | "W", microbatch, stage)
 
@@ -24,18 +23,19 @@ def _key(op: Op) -> Key:
     return ("G" if op.kind in BACKWARD_KINDS else op.kind, op.microbatch, op.stage)
 
 
-def _dependencies(op: Op, schedule: Schedule) -> List[Tuple[Key, bool]]:
-    """(key of a producing op, crosses ranks?) for every input of `op`."""
-    deps: List[Tuple[Key, bool]] = []
-    msg = input_message(op, schedule.num_stages)
-    if msg is not None:
-        src = ("F" if op.kind == F else "G", msg.microbatch, msg.src_stage)
-        deps.append((src, is_remote(msg, schedule.placement)))
-    if op.kind in BACKWARD_KINDS:
-        deps.append((("F", op.microbatch, op.stage), False))
-    elif op.kind == W:
-        deps.append((("G", op.microbatch, op.stage), False))
-    return deps
+def _dependencies(op: Op, schedule: Schedule, rank_of) -> List[Tuple[Key, bool]]:
+    """(key of a producing op, crosses ranks?) for every input of `op`.
+
+    The same inputs comm.input_message names; `rank_of` is the placement's stage->rank table.
+    """
+    mb, s = op.microbatch, op.stage
+    if op.kind == F:
+        return [(("F", mb, s - 1), rank_of[s - 1] != rank_of[s])] if s > 0 else []
+    if op.kind == W:
+        return [(("G", mb, s), False)]
+    if s < schedule.num_stages - 1:
+        return [(("G", mb, s + 1), rank_of[s + 1] != rank_of[s]), (("F", mb, s), False)]
+    return [(("F", mb, s), False)]
 
 
 def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
@@ -46,13 +46,15 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
     pos, free = [0] * pp, [0.0] * pp
     waiters: Dict[Key, List[int]] = {}
     queue = deque(range(pp))
+    rank_of = [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]
+    kind_cost = {k: costs.of(k) for k in (F, B, W, BW)}
     while queue:
         r = queue.popleft()
         ops = schedule.ranks[r]
         while pos[r] < len(ops):
             op = ops[pos[r]]
             start, blocked = free[r], None
-            for key, remote in _dependencies(op, schedule):
+            for key, remote in _dependencies(op, schedule, rank_of):
                 if key not in end:
                     blocked = key
                     break
@@ -60,7 +62,7 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
             if blocked is not None:
                 waiters.setdefault(blocked, []).append(r)
                 break
-            finish = start + costs.of(op.kind)
+            finish = start + kind_cost[op.kind]
             key = _key(op)
             if key in end:
                 raise Deadlock(f"rank {r}: {op} runs a second time")
