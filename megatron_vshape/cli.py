@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
+from .integration import verify_cmd
 from .schedule import registry
 from .schedule.errors import ConfigError
 from .schedule.export import FORMATS
@@ -207,6 +208,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, default="json")
     p.add_argument("--output", required=True, metavar="PATH")
     p.set_defaults(run=cmd_export)
+
+    # verify_cmd imports torch only inside run(), so the planner stays torch-free.
+    p = sub.add_parser("verify", help="run a schedule on a tiny GPT across ranks; compare losses, gradients, memory")
+    verify_cmd.add_arguments(p)
+    p.set_defaults(run=verify_cmd.run)
     return ap
 
 
