@@ -3,21 +3,10 @@ import copy
 
 import pytest
 
+from megatron_vshape.schedule.baselines import one_f_one_b
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import B, BW, F, W, Costs, Op, Placement, Schedule
 from megatron_vshape.schedule.verify import InvalidSchedule, forward_only_view, problems, verify
-
-
-def _one_f_one_b(p=2, m=2):
-    ranks = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        ops = [Op(F, i, r) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [Op(F, warm + i, r), Op(BW, i, r)]
-        ops += [Op(BW, i, r) for i in range(m - warm, m)]
-        ranks.append(ops)
-    return Schedule("hand-1f1b", Placement("single", p), m, Costs(), ranks)
 
 
 def _split(schedule):
@@ -28,26 +17,26 @@ def _split(schedule):
 
 
 def test_valid_schedules_pass():
-    for s in (_one_f_one_b(2, 2), _one_f_one_b(4, 7), _split(_one_f_one_b(3, 5))):
+    for s in (one_f_one_b(2, 2), one_f_one_b(4, 7), _split(one_f_one_b(3, 5))):
         assert problems(s) == []
         assert verify(s) is s
 
 
 def test_missing_op():
-    s = _split(_one_f_one_b(3, 4))
+    s = _split(one_f_one_b(3, 4))
     s.ranks[1] = [op for op in s.ranks[1] if op != Op(W, 2, 1)]
     with pytest.raises(InvalidSchedule, match=r"microbatch 2 stage 1: B x1, W x0, BW x0"):
         verify(s)
 
 
 def test_duplicate_op():
-    s = _one_f_one_b(2, 2)
+    s = one_f_one_b(2, 2)
     s.ranks[0].append(Op(F, 1, 0))
     assert any("F1@0 appears 2 times" in p for p in problems(s))
 
 
 def test_op_on_the_wrong_rank():
-    s = _one_f_one_b(3, 3)
+    s = one_f_one_b(3, 3)
     op = Op(F, 0, 2)
     s.ranks[2].remove(op)
     s.ranks[1].insert(0, op)
@@ -55,12 +44,12 @@ def test_op_on_the_wrong_rank():
 
 
 def test_wrong_local_order():
-    s = _split(_one_f_one_b(2, 2))
+    s = _split(one_f_one_b(2, 2))
     ops = s.ranks[1]
     i, j = ops.index(Op(B, 0, 1)), ops.index(Op(W, 0, 1))
     ops[i], ops[j] = ops[j], ops[i]
     assert any("W0@1 comes before B0@1" in p for p in problems(s))
-    s = _one_f_one_b(2, 2)
+    s = one_f_one_b(2, 2)
     s.ranks[0] = [Op(BW, 0, 0)] + [op for op in s.ranks[0] if op != Op(BW, 0, 0)]
     assert any("BW0@0 comes before F0@0" in p for p in problems(s))
 
@@ -78,22 +67,22 @@ def test_deadlock_under_the_matching_rule():
 
 
 def test_out_of_range_and_wrong_list_count():
-    s = _one_f_one_b(2, 2)
+    s = one_f_one_b(2, 2)
     s.ranks[0].append(Op(F, 5, 0))
     assert any("outside stages" in p for p in problems(s))
-    s = _one_f_one_b(2, 2)
+    s = one_f_one_b(2, 2)
     s.ranks.pop()
     assert problems(s) == ["1 op lists for pp=2"]
 
 
 def test_invalid_schedule_is_a_config_error_with_the_sizes():
-    s = _one_f_one_b(2, 2)
+    s = one_f_one_b(2, 2)
     s.ranks[0].pop()
-    with pytest.raises(ConfigError, match=r"'hand-1f1b' \(pp=2, microbatches=2\) is invalid"):
+    with pytest.raises(ConfigError, match=r"'1f1b' \(pp=2, microbatches=2\) is invalid"):
         verify(s)
 
 
 def test_forward_only_view():
-    s = forward_only_view(_one_f_one_b(3, 4))
+    s = forward_only_view(one_f_one_b(3, 4))
     assert problems(s, forward_only=True) == []
-    assert problems(_one_f_one_b(3, 4), forward_only=True) != []
+    assert problems(one_f_one_b(3, 4), forward_only=True) != []
