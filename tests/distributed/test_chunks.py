@@ -111,9 +111,36 @@ def _pipelined(rank, world_size, tiny, kind, pp, chunks, tp):
         info["tied_same_param"] = model[1].shared_embedding_or_output_weight() is emb
         info["head_owns_weight"] = any(p is emb for p in model[1].parameters())
     losses = _manual_step(model, placement, tiny)
+    if kind == "v":
+        # Megatron's finalize_model_grads embedding syncs must neither hang nor double count on the
+        # V: the gradients below are compared with the reference after them.
+        from megatron.core.distributed.finalize_model_grads import (
+            _allreduce_position_embedding_grads, _allreduce_word_embedding_grads)
+
+        _allreduce_word_embedding_grads(model, model[0].config)
+        _allreduce_position_embedding_grads(model, model[0].config, parallel_state.get_position_embedding_group(check_initialized=False),
+                                            parallel_state.get_pipeline_model_parallel_group())
     info["losses"] = [losses] if losses else None
     info["grads"] = [named_grads(model)]
+    if kind == "v" and tiny.tied_embeddings:
+        info["default_embedding_group_error"] = _default_embedding_group_error(tiny, placement, tp)
     return portable(info)
+
+
+def _default_embedding_group_error(tiny, placement, tp):
+    """Tied V chunks under megatron's default embedding group (first and last rank) must be refused."""
+    from megatron.core import parallel_state
+
+    from megatron_vshape.integration.launch import init_megatron
+    from megatron_vshape.testing.tiny_gpt import build_chunks
+
+    parallel_state.destroy_model_parallel()
+    init_megatron(tp=tp, pp=placement.pp, virtual_pipeline_model_parallel_size=2)
+    try:
+        build_chunks(tiny, placement, tp=tp)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +184,8 @@ def test_chunks_match_unpipelined_model(reference, kind, pp, chunks, tp, tied):
             assert res["embd_group_size"] in (0, 1)
             if tied and r == 0:
                 assert res["tied_same_param"] and not res["head_owns_weight"]
+            if tied:
+                assert "embedding group of the first pipeline rank only" in res["default_embedding_group_error"]
     assert names == set(ref["names"])
     assert ckpt == {(k, tuple(o)) for k, o in ref["ckpt"]}
     diff = compare(ref, results)
