@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .ops import B, BACKWARD_KINDS, BW, F, Op, Placement, Schedule, W
+from .ops import B, BACKWARD_KINDS, F, Op, Placement, Schedule, W
 
 ACT, GRAD = "act", "grad"
 

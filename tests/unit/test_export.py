@@ -5,7 +5,7 @@ import pytest
 
 from megatron_vshape.schedule import export, registry
 from megatron_vshape.schedule.errors import ConfigError
-from megatron_vshape.schedule.ops import B, BW, F, W, Costs, Op
+from megatron_vshape.schedule.ops import B, BW, F, W, Costs
 from megatron_vshape.schedule.simulate import simulate
 from megatron_vshape.schedule.verify import InvalidSchedule
 

@@ -3,7 +3,7 @@ import pytest
 
 from megatron_vshape.schedule.comm import ACT, GRAD, Message, channels, rank_plan
 from megatron_vshape.schedule.errors import ConfigError
-from megatron_vshape.schedule.ops import B, BW, F, W, Costs, Op, Placement, Schedule
+from megatron_vshape.schedule.ops import B, F, W, Costs, Op, Placement, Schedule
 
 
 def test_op_text_round_trip():
