@@ -1,0 +1,112 @@
+"""The B/W split of megatron-core's Column/RowParallelLinear, in one process (world of one rank)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_vshape.runtime import wgrad
+from megatron_vshape.schedule.ops import Op
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _layers():
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    cfg = ModelParallelConfig(use_cpu_initialization=True)
+    torch.manual_seed(0)
+    init = torch.nn.init.normal_
+    fc1 = ColumnParallelLinear(6, 10, config=cfg, init_method=init, bias=True, gather_output=False)
+    fc2 = RowParallelLinear(10, 6, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+                            skip_bias_add=False)
+    model = torch.nn.ModuleList([fc1, fc2])
+    assert wgrad.install(model) == 2
+    return model
+
+
+def _forward(model, x):
+    h, _ = model[0](x)
+    y, _ = model[1](torch.nn.functional.gelu(h))
+    return (y * y).sum()
+
+
+def _grads(model):
+    return {n: (p.main_grad if hasattr(p, "main_grad") else p.grad) for n, p in model.named_parameters()}
+
+
+def test_b_leaves_weights_to_w_and_w_matches_one_backward(megatron_world):
+    x = torch.randn(4, 2, 6)
+    ref = _layers()
+    ref_x = x.clone().requires_grad_()
+    _forward(ref, ref_x).backward()  # megatron-core's own backward (not under split_forward)
+    model = _layers()
+    sx = x.clone().requires_grad_()
+    with wgrad.split_forward():
+        loss = _forward(model, sx)
+    entries = []
+    with wgrad.collect(entries):
+        loss.backward()
+    assert len(entries) == 2
+    assert torch.equal(sx.grad, ref_x.grad)  # B: the input gradient
+    assert model[0].weight.grad is None and model[1].weight.grad is None  # weights wait for W
+    assert torch.equal(model[0].bias.grad, ref[0].bias.grad)  # not split: done in B
+    wgrad.run(entries)
+    for name, g in _grads(ref).items():
+        assert torch.equal(_grads(model)[name], g), name
+
+
+def test_main_grad_path_fires_each_hook_once_at_w(megatron_world):
+    model = _layers()
+    fired = []
+    keep = []
+    for name, p in model.named_parameters():
+        p.main_grad = torch.zeros_like(p)
+        p.grad_added_to_main_grad = False
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda *_, name=name, p=p: fired.append((name, p.grad is not None, p.grad_added_to_main_grad)))
+        keep.append(acc)
+    for mod in model:
+        mod.gradient_accumulation_fusion = True
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    with wgrad.split_forward():
+        loss = _forward(model, x)
+    entries = []
+    with wgrad.collect(entries):
+        loss.backward()
+    assert sorted(n for n, *_ in fired) == ["0.bias", "1.bias"]  # B: biases only
+    assert all(has_grad for _, has_grad, _ in fired)
+    fired.clear()
+    wgrad.run(entries)
+    assert sorted(n for n, *_ in fired) == ["0.weight", "1.weight"]
+    assert all(added for *_, added in fired)  # the hook must not add the dummy gradient again
+    ref = _layers()
+    _forward(ref, x.detach().clone().requires_grad_()).backward()
+    for i in range(2):
+        torch.testing.assert_close(model[i].weight.main_grad, ref[i].weight.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_outside_b_computes_weight_gradients_at_once(megatron_world):
+    model = _layers()
+    with wgrad.split_forward():
+        loss = _forward(model, torch.randn(4, 2, 6))
+    loss.backward()
+    assert model[0].weight.grad is not None and model[1].weight.grad is not None
+
+
+def test_fifo_w_order():
+    ops = [Op.parse(t) for t in "F0@0 F1@0 B0@0 B1@0 W0@0 W1@0".split()]
+    assert wgrad.check_fifo_w_order(ops) is None
+    swapped = [Op.parse(t) for t in "F0@0 F1@0 B0@0 B1@0 W1@0 W0@0".split()]
+    assert "stage 0" in wgrad.check_fifo_w_order(swapped)
