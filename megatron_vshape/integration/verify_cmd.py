@@ -149,7 +149,7 @@ def _stage_activation_bytes(tiny, chunks, placement, pp_rank):
         x = None
         if stage:
             shape = (tiny.seq_length, tiny.micro_batch_size, tiny.hidden_size)
-            x = torch.zeros(shape, requires_grad=True)
+            x = torch.zeros(shape, device=next(chunk.parameters()).device, requires_grad=True)
         chunk.set_input_tensor(x)
         with recorder.saved_tensors():
             output, loss_func = forward_step(iter([batch(tiny, 0, 0)]), chunk)

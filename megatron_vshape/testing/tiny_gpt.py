@@ -72,7 +72,17 @@ def build_chunks(tiny: TinyGPT, placement: Placement, tp: int = 1, **config_over
         share_embeddings_and_output_weights=tiny.tied_embeddings,
     )
     load_weights(chunks, tiny.seed)
-    return chunks
+    device = rank_device()
+    return [chunk.to(device) for chunk in chunks]
+
+
+def rank_device() -> torch.device:
+    """CUDA under NCCL (the launch harness sets this rank's device), else CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -122,7 +132,7 @@ def load_weights(chunks, seed: int) -> None:
     with torch.no_grad():
         for chunk in chunks:
             for name, param in global_named_parameters(chunk):
-                param.copy_(shard(full_value(name, full_shape(param), seed), _tp_layout(param)))
+                param.copy_(shard(full_value(name, full_shape(param), seed), _tp_layout(param)).to(param.device))
 
 
 def named_grads(chunks) -> Dict[str, dict]:
@@ -171,7 +181,8 @@ def forward_step(data_iterator, model):
     """Megatron forward_step_func: run one chunk on the next microbatch."""
     from functools import partial
 
-    b = next(data_iterator)
+    device = next(model.parameters()).device
+    b = {k: v.to(device) for k, v in next(data_iterator).items()}
     output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
     return output, partial(loss_func, b["loss_mask"])
 
@@ -200,6 +211,7 @@ def reference_run(tiny: TinyGPT, num_microbatches: int, steps: int = 1, lr: floa
         model.zero_grad(set_to_none=True)
         step_losses, total_tokens = [], 0
         for b in microbatches(tiny, step, num_microbatches):
+            b = {k: v.to(rank_device()) for k, v in b.items()}
             output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             loss, tokens, report = loss_func(b["loss_mask"], output)
             if not calculate_per_token_loss:
