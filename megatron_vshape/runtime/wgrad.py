@@ -203,7 +203,8 @@ def run(entries: List[WgradEntry]) -> None:
     """A W op: compute the deferred GEMMs and accumulate them (firing the weights' grad hooks)."""
     weights, grads = [], []
     for entry in entries:
-        grad = entry.compute()
+        with torch.no_grad():  # as inside autograd's backward; gloo's all-gather writes into views
+            grad = entry.compute()
         if grad is not None:
             weights.append(entry.weight)
             grads.append(grad)
