@@ -16,6 +16,14 @@ import sys
 BASELINE = "1f1b"
 
 
+def _quiet() -> None:
+    """megatron-core warns at import about optional packages (Apex, TE) the tiny GPT does not use."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of `verify` (torch-free, so `--help` is fast)."""
     parser.add_argument("--schedule", default="v-half", help="schedule name (see `megatron-vshape plan --help`)")
@@ -89,6 +97,7 @@ def _plan(args):
 # ---- ranks -------------------------------------------------------------------------------------
 
 def _reference_rank(rank, world_size, tiny, m, steps, lr):
+    _quiet()
     from ..testing.tiny_gpt import reference_run
 
     return reference_run(tiny, m, steps=steps, lr=lr)
@@ -161,6 +170,7 @@ def _stage_activation_bytes(tiny, chunks, placement, pp_rank):
 
 
 def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
+    _quiet()
     from ..testing.tiny_gpt import portable
 
     result = run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect=True)
@@ -245,6 +255,9 @@ def _print_table(args, schedule, tiny, backend, s) -> None:
         print(f"    {r:>4} {s['peak_activation_bytes'][r]:>12} {s['peak_activation_bytes_1f1b'][r]:>12} "
               f"{s['peak_vs_1f1b'][r]:>10.3f} {s['predicted_peak_activations'][r]:>9} {pred:>12} "
               f"{s['peak_activation_bytes'][r] / pred if pred else float('nan'):>12.3f}")
+    if tiny.tied_embeddings and backend == "gloo" and p.pp > 1:
+        print(f"  ({BASELINE} ran untied: megatron-core ties embeddings across ranks through CUDA; tying does not "
+              "change what is saved for backward)")
     print(f"  {'OK' if s['ok'] else 'FAIL'}: tolerance {args.tolerance:g}")
 
 
@@ -253,12 +266,19 @@ def run(args) -> int:
     from ..schedule.errors import ConfigError
     from .launch import LaunchError, launch
 
+    _quiet()
     try:
         schedule, tiny, backend = _plan(args)
     except ConfigError as e:
         print(f"megatron-vshape verify: error: {e}", file=sys.stderr)
         return 2
     m = schedule.microbatches
+    # Ranks import megatron-core while unpickling their arguments, before any code of ours runs:
+    # only the interpreter's start-up filter reaches those import-time warnings.
+    import os
+
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning,ignore::DeprecationWarning"
     try:
         (reference,) = launch(_reference_rank, 1, (tiny, m, args.steps, args.lr), timeout=args.timeout,
                               backend=backend)
@@ -268,6 +288,11 @@ def run(args) -> int:
     except LaunchError as e:
         print(f"megatron-vshape verify: {e}", file=sys.stderr)
         return 1
+    finally:
+        if saved is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
     summary = summarize(schedule, reference, results, args.tolerance)
     if args.json:
         head = {"schedule": schedule.name, "pp": args.pp, "tp": args.tp, "microbatches": m,
