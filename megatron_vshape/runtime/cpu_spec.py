@@ -5,9 +5,9 @@ runtime depends on this module.  It exists because megatron-core's stock `DotPro
 takes its score buffer from a CUDA memory pool and forks the CUDA RNG tracker, so tests on
 gloo/CPU need another core attention.  Everything else is megatron-core's local modules:
 `ColumnParallelLinear` / `RowParallelLinear` (so the B/W split and tensor parallelism are the
-real ones) and a torch LayerNorm/RMSNorm.  Positions: use `position_embedding_type=
-"learned_absolute"` with this spec (megatron-core's rotary embedding moves its frequencies to
-CUDA on first use).
+real ones) and a torch LayerNorm/RMSNorm.  Positions: learned absolute embeddings work as they
+are; megatron-core's rotary embedding moves its frequencies to CUDA on first use, so for
+`position_embedding_type="rope"` on CPU call `use_cpu_rotary(model)` after building the model.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -121,3 +122,22 @@ def cpu_gpt_block_spec(config, vp_stage: Optional[int] = None, normalization: Op
     layer = cpu_gpt_layer_spec(normalization or config.normalization)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=CpuNorm)
+
+
+class CpuRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's RotaryEmbedding, with its angles computed where its frequencies live."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim/2]
+        if self.rotary_interleaved:  # (f0, f0, f1, f1, ...)
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:  # (f0, f1, ..., f0, f1, ...)
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+
+def use_cpu_rotary(model: torch.nn.Module) -> None:
+    """Make a GPTModel's rotary embedding (if it has one) run on CPU."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if type(rope) is RotaryEmbedding:
+        rope.__class__ = CpuRotaryEmbedding

@@ -28,6 +28,7 @@ class TinyGPT:
     seq_length: int = 16
     micro_batch_size: int = 2
     tied_embeddings: bool = False
+    position_embedding_type: str = "learned_absolute"  # or "rope"
     seed: int = 1234
 
     def transformer_config(self, tp: int = 1, pp: int = 1, **overrides):
@@ -70,9 +71,15 @@ def build_chunks(tiny: TinyGPT, placement: Placement, tp: int = 1, **config_over
     chunks = build_model_chunks(
         config, placement, vocab_size=tiny.vocab_size, max_sequence_length=tiny.seq_length,
         share_embeddings_and_output_weights=tiny.tied_embeddings,
+        position_embedding_type=tiny.position_embedding_type,
     )
     load_weights(chunks, tiny.seed)
     device = rank_device()
+    if device.type == "cpu":
+        from ..runtime.cpu_spec import use_cpu_rotary
+
+        for chunk in chunks:
+            use_cpu_rotary(chunk)
     return [chunk.to(device) for chunk in chunks]
 
 

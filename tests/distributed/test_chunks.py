@@ -161,12 +161,13 @@ def _expected_layers(placement, rank, per_stage):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kind,pp,chunks,tp,tied",
-    [("v", 2, 2, 1, True), ("v", 4, 2, 1, False), ("loop", 2, 2, 1, False), ("v", 2, 2, 2, True)],
-    ids=["v-pp2-tied", "v-pp4", "loop-pp2", "v-pp2-tp2-tied"],
+    "kind,pp,chunks,tp,tied,positions",
+    [("v", 2, 2, 1, True, "learned_absolute"), ("v", 4, 2, 1, False, "rope"),
+     ("loop", 2, 2, 1, False, "learned_absolute"), ("v", 2, 2, 2, True, "learned_absolute")],
+    ids=["v-pp2-tied", "v-pp4-rope", "loop-pp2", "v-pp2-tp2-tied"],
 )
-def test_chunks_match_unpipelined_model(reference, kind, pp, chunks, tp, tied):
-    tiny = TinyGPT(num_layers=8, tied_embeddings=tied)
+def test_chunks_match_unpipelined_model(reference, kind, pp, chunks, tp, tied, positions):
+    tiny = TinyGPT(num_layers=8, tied_embeddings=tied, position_embedding_type=positions)
     ref = reference(tiny)
     placement = Placement(kind, pp, chunks)
     results = launch(_pipelined, pp * tp, (tiny, kind, pp, chunks, tp), timeout=240)

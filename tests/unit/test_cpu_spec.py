@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_vshape.runtime.cpu_spec import CpuNorm, SdpaCoreAttention, cpu_gpt_layer_spec
+from megatron_vshape.runtime.cpu_spec import (CpuNorm, CpuRotaryEmbedding, SdpaCoreAttention, cpu_gpt_layer_spec,
+                                              use_cpu_rotary)
 
 
 def _config(**kw):
@@ -63,3 +64,21 @@ def test_spec_uses_megatron_linears_and_cpu_modules():
     mlp = spec.submodules.mlp.submodules
     assert mlp.linear_fc1 is ColumnParallelLinear and mlp.linear_fc2 is RowParallelLinear
     assert spec.submodules.input_layernorm is CpuNorm and spec.submodules.pre_mlp_layernorm is CpuNorm
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cpu_rotary_angles(interleaved):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    holder = torch.nn.Module()
+    holder.rotary_pos_emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_interleaved=interleaved,
+                                            use_cpu_initialization=True)
+    use_cpu_rotary(holder)
+    rope = holder.rotary_pos_emb
+    assert isinstance(rope, CpuRotaryEmbedding)
+    emb = rope.get_emb(5)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    angles = torch.arange(5).float()[:, None] * inv_freq  # [s, 4]
+    want = torch.stack((angles, angles), -1).flatten(-2) if interleaved else torch.cat((angles, angles), -1)
+    assert emb.shape == (5, 1, 1, 8)
+    torch.testing.assert_close(emb[:, 0, 0], want)
