@@ -208,6 +208,8 @@ class _Step:
                 contexts[c].__exit__(None, None, None)
                 contexts[c] = None
 
+        if cfg.timers is not None:
+            cfg.timers("forward-backward", log_level=1).start(barrier=cfg.barrier_with_L1_time)
         if self.stats is not None:
             for chunk in self.model:
                 self.stats.exclude_parameters(chunk.parameters())
@@ -239,9 +241,8 @@ class _Step:
                     total_tokens += out[1]
                     out = out[0]
                 self._deliver(op, step, out, arrived)
-                if op.kind == F and step.local_out is None and not step.sends:
-                    pass
-                elif op.kind == F and not self.forward_only and out is not None:
+                if op.kind == F and op.stage < self.S - 1 and not self.forward_only:
+                    # Sent (or handed over) through a detached alias: free the data, keep grad_fn.
                     deallocate_output_tensor(out, cfg.deallocate_pipeline_outputs)
                 if final and i != last_w.get(c):
                     disable(c)
@@ -258,6 +259,8 @@ class _Step:
         if cfg.finalize_model_grads_func is not None and not self.forward_only:
             cfg.finalize_model_grads_func(self.model, self._tokens if cfg.calculate_per_token_loss else None,
                                           pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
+        if cfg.timers is not None:
+            cfg.timers("forward-backward").stop()
         return losses
 
     # ---- one op ------------------------------------------------------------------------------
@@ -302,7 +305,7 @@ class _Step:
 
     def _deliver(self, op, step, out, arrived):
         """Send the op's output to the next stage's rank, or hand it over locally."""
-        if out is None or (op.kind == F and self.forward_only and op.stage == self.S - 1):
+        if out is None:
             return
         for msg in step.sends:
             dst = self.placement.rank_of(msg.dst_stage)

@@ -56,6 +56,12 @@ def directional_groups(pp_ranks: Sequence[int]) -> Dict[Tuple[int, int], dist.Pr
         groups = {pair: dist.new_group(list(pair)) for pair in pairs}  # collective: all ranks, same order
         if ranks not in _GROUPS:
             _GROUPS[ranks] = {pair: g for pair, g in groups.items() if me in pair}
+    if dist.get_backend() == "nccl":
+        # NCCL creates a communicator at its first operation, blocking until the peer's first one:
+        # a receive posted ahead on one direction could then wait for a peer that itself waits on
+        # the other direction.  Initialise every group now, in the same global order on all ranks.
+        for group in _GROUPS[key].values():
+            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()), group=group)
     return _GROUPS[key]
 
 

@@ -293,17 +293,11 @@ def _check(cases, jobs):
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
-def test_hand_built_schedules_match_reference(pp):
-    """V, loop and single placements, BW and B/W split with W deferred and reordered."""
-    cases = _cases(pp, names=LOCAL)
-    jobs = launch(_job, pp, (cases, True), timeout=240)
-    _check(cases, jobs)
-
-
-@pytest.mark.parametrize("pp", [2, 3, 4])
 def test_every_schedule_matches_reference(pp):
-    cases = _cases(pp)
-    jobs = launch(_job, pp, (cases, True), timeout=240)
+    """Every registered schedule, and hand-built V, loop and single schedules (BW, and B/W split
+    with W deferred to the end of the list in B order or reversed), in one spawned job per pp."""
+    cases = _cases(pp) + _cases(pp, names=LOCAL)
+    jobs = launch(_job, pp, (cases, True), timeout=300)
     _check(cases, jobs)
 
 
