@@ -99,8 +99,14 @@ def _job(rank, world_size, m):
         cfg.grad_sync_func = [functools.partial(grad_sync, c) for c in range(len(chunks))]
         cfg.param_sync_func = [functools.partial(param_sync, c) for c in range(len(chunks))]
         cfg.finalize_model_grads_func = finalize
-        losses = _fb(name, sched)(forward_step_func=_forward_step_per_token, data_iterator=_iters(chunks, m),
-                                  model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        from megatron_vshape.runtime.stats import Recorder
+
+        recorder = Recorder()
+        losses = _fb(name, sched, stats=recorder)(
+            forward_step_func=_forward_step_per_token, data_iterator=_iters(chunks, m), model=chunks,
+            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        res["stats"] = recorder.to_dict()
+        res["plan"] = [(op.kind, op.microbatch, op.stage) for op in sched.ranks[rank]]
         res["token_losses"] = [d["loss"].item() for d in losses]
         res["grads"] = {k: _grad(p) for c in chunks for k, p in _names(c).items()}
         if rank == 0:  # megatron-core's layers need the parallel state of a launched rank
@@ -136,6 +142,11 @@ def test_contract(pp):
             param_syncs = [e for e in res["events"] if e[0] == "param_sync"]
             assert sorted(e[1] for e in param_syncs) == list(range(chunks)) and all(e[2] for e in param_syncs)
             assert res["events"][-1][0] == "finalize"
+            # stats: every op of the rank's list, in order, timed; activation memory all released
+            st = res["stats"]
+            assert [op[:3] for op in st["ops"]] == res["plan"]
+            assert all(a <= b for *_, a, b in st["ops"])
+            assert st["peak_bytes"] > 0 and st["current_bytes"] == 0, st["current_bytes"]
             # grad_sync comes after the chunk's last gradient contribution
             for k, g in res["grad_at_sync"].items():
                 assert torch.equal(g, res["grads"][k]), f"{name}: {k} changed after grad_sync"
