@@ -142,8 +142,6 @@ class _Step:
         dtype = self.config.pipeline_dtype or params.dtype
         shape = tensor_shape(seq_length, micro_batch_size, self.config.hidden_size, self.cp_size,
                              tp_group.size() if tp_group is not None else 1, self.config.sequence_parallel)
-        expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
-        self.p2p = P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
         self.split = self.sched.split_backward and not forward_only
         if self.split:
             for chunk in self.model:
@@ -155,6 +153,9 @@ class _Step:
                 raise ConfigError(f"schedule {self.sched.name!r}: Transformer Engine defers weight gradients per layer "
                                   f"in B order, but {problem}; use a schedule whose W follow B order per stage")
         self.stats = ex.stats
+        # Last: posts the first receives, after every configuration check has passed.
+        expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
+        self.p2p = P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
 
     # ---- grad / param sync rules (see module docstring) --------------------------------------
     def _sync_points(self):
@@ -187,7 +188,7 @@ class _Step:
     def run(self):
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
-        cfg, m, nchunks = self.config, self.m, len(self.model)
+        cfg, nchunks = self.config, len(self.model)
         no_sync = self._no_sync_funcs()
         grad_sync = cfg.grad_sync_func if not self.forward_only else None
         param_sync = cfg.param_sync_func if not self.forward_only else None
@@ -236,7 +237,7 @@ class _Step:
                     enable(c)
                 timer = self.stats.op(op.kind, op.microbatch, op.stage, self.device) if self.stats else contextlib.nullcontext()
                 with timer:
-                    out = self._compute(op, c, inputs, outputs, arrived, wgrads, store, step)
+                    out = self._compute(op, c, inputs, outputs, arrived, wgrads, store)
                 if op.kind == F and out is not None:
                     total_tokens += out[1]
                     out = out[0]
@@ -264,7 +265,7 @@ class _Step:
         return losses
 
     # ---- one op ------------------------------------------------------------------------------
-    def _compute(self, op, c, inputs, outputs, arrived, wgrads, store, step):
+    def _compute(self, op, c, inputs, outputs, arrived, wgrads, store):
         from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
 
         key = (op.stage, op.microbatch)

@@ -3,7 +3,6 @@ tied embeddings over several SGD steps, every registered schedule at pp=4, and f
 evaluation, each against the same model run without pipelining on one rank."""
 from __future__ import annotations
 
-import dataclasses
 
 
 from megatron_vshape.integration.launch import launch
