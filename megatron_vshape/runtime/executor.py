@@ -292,7 +292,9 @@ class _Step:
             x, y = inputs.pop(key), outputs.pop(key)
             if op.kind == B:
                 entries: list = []
-                with wgrad.collect(entries):
+                # split_forward too: a forward recomputed inside B (activation checkpointing)
+                # defers its weight GEMMs to this stage's W like the original forward.
+                with wgrad.split_forward(True), wgrad.collect(entries):
                     dx = backward_step(x, y, dy, self.model_type, self.config)
                 wgrads[key] = entries
             else:

@@ -219,13 +219,15 @@ def set_tracker(tracker: Optional[Callable[[torch.Tensor], object]]) -> None:
 
 
 def te_modules(chunk: torch.nn.Module) -> list:
-    """Transformer Engine layers of the chunk that defer their weight gradients themselves."""
-    out = []
-    for module in chunk.modules():
-        need = getattr(module, "need_backward_dw", None)
-        if callable(need) and type(module).__module__.startswith("transformer_engine") and need():
-            out.append(module)
-    return out
+    """Transformer Engine layers of the chunk (megatron-core's TE wrappers included) built with
+    delay_wgrad_compute, which defer their weight gradients themselves.  [] without TE."""
+    try:  # imported here, never at module import: TE is GPU-only and optional
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except ImportError:
+        return []
+    return [m for m in chunk.modules()
+            if isinstance(m, TransformerEngineBaseModule) and callable(getattr(m, "need_backward_dw", None))
+            and m.need_backward_dw()]
 
 
 def te_backward_dw(modules: list) -> None:

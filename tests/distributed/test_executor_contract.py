@@ -111,14 +111,42 @@ def _job(rank, world_size, m):
         res["grads"] = {k: _grad(p) for c in chunks for k, p in _names(c).items()}
         if rank == 0:  # megatron-core's layers need the parallel state of a launched rank
             res["reference"] = reference(sched.num_stages, m)
+    out["misuse"] = _misuse(rank, world_size, m)
     destroy_megatron()
     return out
+
+
+def _misuse(rank, pp, m):
+    """Configuration mistakes raise ConfigError on every rank before any communication."""
+    from megatron_vshape.schedule.errors import ConfigError
+
+    sched = build("local/v/split/now", pp, m)
+    messages = []
+    for model, schedule, no_sync in [
+        (_chunks(sched, rank, _config())[:1], sched, None),  # one chunk for a V schedule
+        (_chunks(sched, rank, _config()), build("local/v/split/now", pp, m + 1), None),  # built for other sizes
+        (_chunks(sched, rank, _config()), sched, lambda: None),  # one no_sync for two chunks
+    ]:
+        if no_sync is not None:
+            model[0].config.no_sync_func = no_sync
+        try:
+            _fb("local/", schedule)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
+                                   num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+            messages.append(None)
+        except ConfigError as exc:
+            messages.append(str(exc))
+    return messages
 
 
 @pytest.mark.parametrize("pp", [2, 3])
 def test_contract(pp):
     m = 2 * pp + 1
     jobs = launch(_job, pp, (m,), timeout=240)
+    for job in jobs:
+        one_chunk, other_sizes, one_no_sync = job["misuse"]
+        assert one_chunk and "places 2 model chunk(s) per rank" in one_chunk
+        assert other_sizes and f"microbatches={m + 1}" in other_sizes and f"num_microbatches={m}" in other_sizes
+        assert one_no_sync and "pass a list with one per chunk" in one_no_sync
     for name in SCHEDULES:
         ref_losses, ref_grads = jobs[0][name]["reference"]
         last = jobs[pp - 1][name]
