@@ -34,6 +34,7 @@ their `backward_dw()` at W.  TE keeps one FIFO per layer, so it needs W in B ord
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
@@ -102,10 +103,17 @@ class _Ref:
         self.param = param
 
 
+# Backward under the autocast state of the forward, as megatron-core's linear does (its
+# config.enable_autocast is CUDA autocast; without it these are no-ops on every device).
+_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="cuda")
+_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type="cuda")
+
+
 class _SplitLinear(torch.autograd.Function):
     """megatron-core's linear with the weight GEMM left to W (see the module docstring)."""
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx, input, weight_data, bias, ref, fusion, allreduce_dgrad, sequence_parallel, tp_group):
         ctx.save_for_backward(input, weight_data)
         ctx.ref, ctx.fusion, ctx.use_bias = ref, fusion, bias is not None
@@ -117,6 +125,7 @@ class _SplitLinear(torch.autograd.Function):
         return output
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
