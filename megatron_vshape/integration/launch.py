@@ -24,6 +24,9 @@ API
 * ``env``: extra environment variables set in every rank before ``torch.distributed``
   starts.  ``threads``: ``torch.set_num_threads`` per rank (1 keeps N ranks on few cores
   from oversubscribing).
+* Ranks are daemonic spawned processes (they die with the parent; they cannot start child
+  processes such as DataLoader workers).  Results travel as plain pickles, so tensors in
+  them arrive as ordinary copies.
 
 Rendezvous uses a ``TCPStore`` the parent opens on a free port (port 0), so concurrent
 launches (parallel test runs, several engineers) never race for a port.
