@@ -212,8 +212,10 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--microbatches", type=int, default=None, help="default 2*pp")
     p.add_argument("--layers-per-stage", type=int, default=1, help="layers per V stage (a 1F1B stage holds twice that)")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--seq-length", type=int, default=64)
+    # Big enough that an op takes milliseconds: with smaller ops, Python and gloo latency per
+    # op dominate and the overhead column measures the CPU transport, not the executor.
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
