@@ -2,18 +2,20 @@
 
 Weights are a pure function of (seed, global parameter name), drawn at full size and sliced for
 tensor parallelism, so every parallel layout starts from the same model; data is a pure function
-of (seed, step, microbatch).  `reference_run` executes the same steps without any pipelining on
-one rank, so pipelined losses and gradients can be compared exactly, by global parameter name.
+of (seed, step, microbatch).  `reference_run` executes the same steps without any pipelining (on
+one rank, or on tp ranks at the pipelined run's tensor parallelism), so pipelined losses and
+gradients can be compared exactly, by global parameter name.
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from ..runtime.chunks import build_model_chunks, embedding_ranks_for, global_named_parameters
+from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
 
 
@@ -203,16 +205,31 @@ def microbatch_loss(loss_dict) -> float:
 # ---- reference -------------------------------------------------------------------------------
 
 def reference_run(tiny: TinyGPT, num_microbatches: int, steps: int = 1, lr: float = 0.0,
-                  calculate_per_token_loss: bool = False) -> dict:
-    """Run `steps` steps without pipelining, in a launched rank with world size 1.
+                  calculate_per_token_loss: bool = False, tp: int = 1,
+                  optimizer: Optional[Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer]] = None,
+                  initialise: bool = True) -> dict:
+    """Run `steps` steps without pipelining, in a launched rank (or `tp` ranks for tensor parallelism).
 
     Scales each microbatch's loss as megatron-core does (by 1/tokens/microbatches, or by nothing
     and then the gradients by 1/total tokens with calculate_per_token_loss).  Between steps,
-    applies SGD with learning rate `lr` (what the pipelined side must do too).  Returns
-    {"losses": [[float per microbatch] per step], "grads": [{global name: full grad} per step]}.
+    `optimizer(parameters)`'s step, or else SGD with learning rate `lr` (what the pipelined side
+    must do too).  With `tp` > 1 the same model is sharded as a pipelined run at that tp shards it,
+    so pipelining is the only difference; the gradients returned are gathered to full size.
+    `initialise=False`: the caller has already run init_parallel(tp, 1, ...) in every rank (group
+    creation is collective, so ranks that each run different references initialise once).
+    Returns {"losses": [[float per microbatch] per step], "grads": [{global name: full grad} per step]}.
     """
-    init_parallel(1, 1, Placement("single", 1))
-    (model,) = build_chunks(tiny, Placement("single", 1))
+    from megatron.core import parallel_state
+
+    placement = Placement("single", 1)
+    if initialise:
+        init_parallel(tp, 1, placement, seed=tiny.seed)
+    sizes = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if sizes != (tp, 1):
+        raise ConfigError(f"reference_run(tp={tp}) found parallel state tp={sizes[0]}, pp={sizes[1]}; call "
+                          f"init_parallel({tp}, 1, Placement('single', 1)) first, or pass initialise=True")
+    (model,) = build_chunks(tiny, placement, tp=tp)
+    opt = optimizer(unique_parameters([model])) if optimizer is not None else None
     losses, grads = [], []
     for step in range(steps):
         model.zero_grad(set_to_none=True)
@@ -230,10 +247,36 @@ def reference_run(tiny: TinyGPT, num_microbatches: int, steps: int = 1, lr: floa
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad /= max(total_tokens, 1)
-        grads.append({n: g["grad"] for n, g in named_grads([model]).items()})
+        grads.append(full_grads(named_grads([model])))
         losses.append(step_losses)
-        sgd_step([model], lr)
+        if opt is not None:
+            opt.step()
+        else:
+            sgd_step([model], lr)
     return portable({"losses": losses, "grads": grads})
+
+
+def full_grads(grads: Dict[str, dict]) -> Dict[str, Optional[torch.Tensor]]:
+    """{name: full gradient} from `named_grads`, gathering tensor-parallel shards over the TP group
+    (a collective: every TP rank calls it with the same parameters)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, g in grads.items():
+        grad, layout = g["grad"], g["layout"]
+        if grad is None or layout is None or layout[2] == 1:
+            out[name] = grad
+            continue
+        parts = [torch.empty_like(grad) for _ in range(layout[2])]
+        dist.all_gather(parts, grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        out[name] = torch.cat(parts, dim=layout[0])
+    return out
+
+
+def unique_parameters(chunks) -> List[torch.nn.Parameter]:
+    """The chunks' parameters, each once (for an optimizer: a tied weight must be stepped once)."""
+    return list(dict.fromkeys(p for chunk in chunks for p in chunk.parameters()))
 
 
 def sgd_step(chunks, lr: float) -> None:
