@@ -41,11 +41,6 @@ from typing import Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-try:  # apex's fused wgrad kernel; absent on CPU.
-    import fused_weight_gradient_mlp_cuda  # type: ignore
-except ImportError:  # pragma: no cover - depends on the installation
-    fused_weight_gradient_mlp_cuda = None
-
 
 class _State:
     split = False  # forwards now record for a deferred W
@@ -73,9 +68,9 @@ class WgradEntry:
         x = total_input.reshape(-1, total_input.shape[-1])
         w = self.weight
         if self.fusion and hasattr(w, "main_grad"):
-            if fused_weight_gradient_mlp_cuda is not None and g.is_cuda:
-                fn = (fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 if w.main_grad.dtype == torch.float32
-                      else fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16)
+            fused = _apex_wgrad_kernel() if g.is_cuda else None
+            if fused is not None:
+                fn = fused.wgrad_gemm_accum_fp32 if w.main_grad.dtype == torch.float32 else fused.wgrad_gemm_accum_fp16
                 fn(x, g, w.main_grad)
             else:
                 w.main_grad.addmm_(g.t().to(w.main_grad.dtype), x.to(w.main_grad.dtype))
@@ -85,6 +80,16 @@ class WgradEntry:
             make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
             return make(w.main_grad.shape, dtype=self.input.dtype, device=w.main_grad.device)
         return g.t().matmul(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _apex_wgrad_kernel():
+    """apex's fused wgrad-accumulate kernel, or None; imported on first CUDA use, never at module import."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # type: ignore
+    except ImportError:
+        return None
+    return fused_weight_gradient_mlp_cuda
 
 
 def _gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
