@@ -1,6 +1,7 @@
 """The op model: ops, placements, costs and schedules. Pure Python, no torch."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -111,6 +112,10 @@ class Costs:
     C: float = 0.0
 
     def __post_init__(self):
+        for name in ("F", "B", "W", "C"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # nan or inf would turn every simulated figure into nan
+                raise ConfigError(f"cost {name}={value} must be a finite number")
         for name in ("F", "B", "W"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"cost {name}={getattr(self, name)} must be > 0")

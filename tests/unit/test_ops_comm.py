@@ -26,7 +26,7 @@ def test_placements():
 def test_costs_parse_and_per_stage():
     c = Costs.parse("2,2.2,1.6,0.05")
     assert c.per_stage(2) == Costs(1.0, 1.1, 0.8, 0.05)
-    for bad in ("1,2", "a,b,c", "0,1,1"):
+    for bad in ("1,2", "a,b,c", "0,1,1", "1,1,1,nan", "inf,1,1", "1,1,1,-0.1"):
         with pytest.raises(ConfigError):
             Costs.parse(bad)
 
