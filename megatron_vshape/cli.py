@@ -7,7 +7,6 @@ exit with code 2.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -35,17 +34,6 @@ def _options(args: argparse.Namespace) -> Dict[str, object]:
     return {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
 
 
-def build(name: str, pp: int, microbatches: int, costs: Costs, options: Dict[str, object]) -> Schedule:
-    """registry.build, but an option the schedule does not take is a ConfigError, not a TypeError."""
-    fn = registry.generator(name)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(k for k in options if k not in params)
-        if unknown:
-            raise ConfigError(f"{name}: does not take option(s) {', '.join('--' + k for k in unknown)}")
-    return registry.build(name, pp, microbatches, costs, **options)
-
-
 def summary(schedule: Schedule, sim: SimResult) -> dict:
     """The export's figures without the op lists, plus the papers' prediction."""
     out = {k: v for k, v in export_dict(schedule, sim).items() if k != "ranks"}
@@ -67,7 +55,7 @@ def _pct(x: float) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    schedule = build(args.schedule, args.pp, args.microbatches, _costs(args.costs), _options(args))
+    schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
     sim = simulate(schedule)
     written: List[str] = []
     if args.export:
@@ -164,7 +152,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    schedule = build(args.schedule, args.pp, args.microbatches, _costs(args.costs), _options(args))
+    schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
     _mkdir_for(args.output)
     export_write(schedule, args.output, args.format)
     print(f"wrote {args.output} ({args.format}, {schedule.name}, pp={schedule.pp}, microbatches={schedule.microbatches})")

@@ -11,14 +11,9 @@ from collections import deque
 from typing import Dict, List, Tuple
 
 from .errors import ConfigError
-from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, check_sizes
+from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
 from .registry import register
 from .verify import verify
-
-
-def _no_options(name: str, options: Dict[str, object]) -> None:
-    if options:
-        raise ConfigError(f"{name}: unknown option(s) {', '.join(sorted(options))}; this schedule takes none")
 
 
 def _single(name: str, pp: int, microbatches: int, costs: Costs, ranks: List[List[Op]], **meta) -> Schedule:
@@ -30,7 +25,7 @@ def _single(name: str, pp: int, microbatches: int, costs: Costs, ranks: List[Lis
 def one_f_one_b(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """Megatron's 1F1B: rank r runs min(p-1-r, m) warm-up forwards, then one forward and one
     combined backward in turn, then the remaining backwards."""
-    _no_options("1f1b", options)
+    check_no_options("1f1b", options)
     check_sizes("1f1b", pp, microbatches)
     ranks = []
     for r in range(pp):
@@ -66,7 +61,7 @@ def interleaved_1f1b(pp: int, microbatches: int, costs: Costs = Costs(), chunks:
     forward k in reverse.
     """
     name = "1f1b-interleaved"
-    _no_options(name, options)
+    check_no_options(name, options)
     chunks, group = int(chunks), int(group or pp)
     if chunks < 2:
         raise ConfigError(f"{name}: chunks={chunks}; interleaving needs chunks >= 2 (use 1f1b for one chunk)")
@@ -114,7 +109,7 @@ def zb_h1(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Sche
     Rank r runs W(i) right after B(i+r), so every rank holds at most p activations (1F1B's
     rank-0 peak) and, for m >= p at unit costs, all ranks end at 3m+p-1: bubble (p-1)/(3m+p-1).
     """
-    _no_options("zb-h1", options)
+    check_no_options("zb-h1", options)
     check_sizes("zb-h1", pp, microbatches)
     m = microbatches
     ranks = []
@@ -141,7 +136,7 @@ def zb_h2(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Sche
     2p activations are alive, else its oldest pending W. The extra warm-up forwards fill the
     start-up bubble and the deferred W's fill the cool-down.
     """
-    _no_options("zb-h2", options)
+    check_no_options("zb-h2", options)
     check_sizes("zb-h2", pp, microbatches)
     ranks = _list_schedule(pp, microbatches, costs.per_stage(1), max_alive=2 * pp)
     return _single("zb-h2", pp, microbatches, costs, ranks, max_alive=2 * pp)

@@ -192,6 +192,12 @@ def check_sizes(name: str, pp: int, microbatches: int, *, min_pp: int = 2, min_m
         )
 
 
+def check_no_options(name: str, options: Dict[str, object]) -> None:
+    """Generators take **options so that every one can name an option it does not know."""
+    if options:
+        raise ConfigError(f"{name}: unknown option(s) {', '.join(sorted(options))}; this schedule takes none")
+
+
 def ops_by_stage(ops: Sequence[Op]) -> Dict[int, List[Op]]:
     out: Dict[int, List[Op]] = {}
     for op in ops:

@@ -1,7 +1,8 @@
 """Schedule names as `--pipeline-schedule` takes them, mapped to their generators.
 
-A generator is a pure function `(pp, microbatches, costs=Costs()) -> Schedule`, with
-`costs` as users give them (one rank's share of the model), returning a verified schedule.
+A generator is a pure function `(pp, microbatches, costs=Costs(), **options) -> Schedule`,
+with `costs` as users give them (one rank's share of the model), returning a verified
+schedule; an option it does not take raises ConfigError (ops.check_no_options).
 """
 from __future__ import annotations
 

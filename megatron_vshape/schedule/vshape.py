@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
-from .ops import B, F, W, Costs, Op, Placement, Schedule, check_sizes
+from .ops import B, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
 from .registry import register
 from .verify import verify
 
@@ -158,8 +158,7 @@ SAFE: Candidate = (False, 1.0, 0, 0, 0, 0, "safe")
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:
-    if options:
-        raise ConfigError(f"{name}: unknown option(s) {sorted(options)}; this schedule takes none")
+    check_no_options(name, options)
     check_sizes(name, pp, microbatches)
     costs = costs or Costs()
     memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first
