@@ -10,9 +10,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .ops import B, BACKWARD_KINDS, BW, F, RELEASE_KINDS, W, Op, Schedule
+from .comm import ACT, input_message, is_remote, local_predecessor
+from .ops import B, BW, F, OP_KINDS, RELEASE_KINDS, W, Op, Schedule
 
 Key = Tuple[str, int, int]  # ("F" | "G" (B or BW) | "W", microbatch, stage)
+# B and BW share "G": either one produces the input gradient a backward op waits for.
+_KEY_KIND = {F: "F", B: "G", BW: "G", W: "W"}
 
 
 class Deadlock(RuntimeError):
@@ -20,22 +23,25 @@ class Deadlock(RuntimeError):
 
 
 def _key(op: Op) -> Key:
-    return ("G" if op.kind in BACKWARD_KINDS else op.kind, op.microbatch, op.stage)
+    return (_KEY_KIND[op.kind], op.microbatch, op.stage)
 
 
-def _dependencies(op: Op, schedule: Schedule, rank_of) -> List[Tuple[Key, bool]]:
-    """(key of a producing op, crosses ranks?) for every input of `op`.
-
-    The same inputs comm.input_message names; `rank_of` is the placement's stage->rank table.
-    """
-    mb, s = op.microbatch, op.stage
-    if op.kind == F:
-        return [(("F", mb, s - 1), rank_of[s - 1] != rank_of[s])] if s > 0 else []
-    if op.kind == W:
-        return [(("G", mb, s), False)]
-    if s < schedule.num_stages - 1:
-        return [(("G", mb, s + 1), rank_of[s + 1] != rank_of[s]), (("F", mb, s), False)]
-    return [(("F", mb, s), False)]
+def _input_table(schedule: Schedule) -> Dict[Tuple[str, int], Tuple[Tuple[str, int, bool], ...]]:
+    """Per (op kind, stage): (producer's key kind, producer's stage, crosses ranks?) for each
+    input of such an op, derived once from comm's rule so simulator and runtime agree."""
+    pl, S = schedule.placement, schedule.num_stages
+    table = {}
+    for stage in range(S):
+        for kind in OP_KINDS:
+            op = Op(kind, 0, stage)
+            deps = []
+            msg = input_message(op, S)
+            if msg is not None:
+                deps.append((_KEY_KIND[F if msg.kind == ACT else B], msg.src_stage, is_remote(msg, pl)))
+            for before in local_predecessor(op) or ():
+                deps.append((_KEY_KIND[before], stage, False))
+            table[(kind, stage)] = tuple(deps)
+    return table
 
 
 def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
@@ -46,7 +52,7 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
     pos, free = [0] * pp, [0.0] * pp
     waiters: Dict[Key, List[int]] = {}
     queue = deque(range(pp))
-    rank_of = [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]
+    inputs = _input_table(schedule)
     kind_cost = {k: costs.of(k) for k in (F, B, W, BW)}
     while queue:
         r = queue.popleft()
@@ -54,7 +60,8 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
         while pos[r] < len(ops):
             op = ops[pos[r]]
             start, blocked = free[r], None
-            for key, remote in _dependencies(op, schedule, rank_of):
+            for src_kind, src_stage, remote in inputs[(op.kind, op.stage)]:
+                key = (src_kind, op.microbatch, src_stage)
                 if key not in end:
                     blocked = key
                     break

@@ -5,7 +5,8 @@ from collections import Counter
 from typing import List
 
 from .errors import ConfigError
-from .ops import B, BW, F, W, Schedule
+from .comm import local_predecessor
+from .ops import B, BW, F, OP_KINDS, W, Op, Schedule
 from .simulate import Deadlock, run_lists
 
 
@@ -13,8 +14,9 @@ class InvalidSchedule(ConfigError):
     """The op lists cannot be executed correctly; the message lists the problems."""
 
 
-# Op kind -> the kind of the same (stage, microbatch) that must come earlier on the rank.
-_MUST_FOLLOW = {B: F, BW: F, W: B}
+# Op kind -> the kinds of the same (stage, microbatch) that must come earlier on the rank
+# (comm's rule depends on the kind only; looked up per kind to keep the check fast).
+_MUST_FOLLOW = {kind: local_predecessor(Op(kind, 0, 0)) or () for kind in OP_KINDS}
 
 
 def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
@@ -36,9 +38,9 @@ def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
                 out.append(f"rank {rank}: {op} belongs to rank {rank_of[op.stage]}")
             if forward_only and op.kind != F:
                 out.append(f"rank {rank}: {op} in a forward-only schedule")
-            before = _MUST_FOLLOW.get(op.kind)
-            if before is not None and (before, op.microbatch, op.stage) not in seen:
-                out.append(f"rank {rank}: {op} comes before {before}{op.microbatch}@{op.stage}")
+            for before in _MUST_FOLLOW[op.kind]:
+                if (before, op.microbatch, op.stage) not in seen:
+                    out.append(f"rank {rank}: {op} comes before {before}{op.microbatch}@{op.stage}")
             seen.add(key)
             counts[key] += 1
     for s in range(S):
