@@ -102,10 +102,15 @@ def peak_activations(schedule: Schedule) -> List[int]:
     return peaks
 
 
+def one_f_one_b_peak(pp: int, microbatches: int) -> int:
+    """Microbatches alive on 1F1B's rank 0 at its peak: the unit of peak_vs_1f1b."""
+    return min(pp, microbatches)
+
+
 def peak_vs_1f1b(schedule: Schedule, peaks: Optional[List[int]] = None) -> List[float]:
     """Peak activations scaled by layers per stage so that 1F1B's rank 0 is 1.0."""
     peaks = peak_activations(schedule) if peaks is None else peaks
-    ref = min(schedule.pp, schedule.microbatches) * schedule.placement.chunks
+    ref = one_f_one_b_peak(schedule.pp, schedule.microbatches) * schedule.placement.chunks
     return [p / ref for p in peaks]
 
 

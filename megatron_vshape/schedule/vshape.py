@@ -22,6 +22,7 @@ from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
 from .registry import register
+from .simulate import one_f_one_b_peak
 from .verify import verify
 
 
@@ -75,8 +76,8 @@ def v_block(pp: int, costs: Costs, interval: float, turn: float = 0.0, spread: f
 
 def memory_caps(name: str, pp: int, microbatches: int, per_1f1b: int) -> List[int]:
     """Stage-activations a rank may hold: `per_1f1b` microbatches of 1F1B's rank-0 memory out
-    of pp (scaled to min(pp, m) like peak_vs_1f1b), two half-size stage-activations each."""
-    ref = min(pp, microbatches)
+    of pp (in peak_vs_1f1b's unit), two half-size stage-activations each."""
+    ref = one_f_one_b_peak(pp, microbatches)
     cap = (2 * ref * per_1f1b) // pp
     if cap < 2:  # one microbatch holds both of rank 0's stages at once on its way back
         need = next(k for k in range(1, pp + 1) if 2 * k * per_1f1b >= 2 * pp)
