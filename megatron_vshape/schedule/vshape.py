@@ -199,6 +199,8 @@ class _Rounds:
 
     def __init__(self, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_f: bool):
         self.pp, self.m, self.c, self.cap = pp, m, costs, cap
+        self.placement = Placement("v", pp, 2)
+        self.stages = [self.placement.stages_of(r) for r in range(pp)]  # looked up for every op
         self.fill_b, self.fill_f = fill_b, fill_f
         self.end: Dict[Tuple[str, int, int], float] = {}
         self.cur = [0.0] * pp
@@ -209,7 +211,7 @@ class _Rounds:
         self.ranks: List[List[Op]] = [[] for _ in range(pp)]
 
     def stage(self, r: int, chunk: int) -> int:
-        return r if chunk == 0 else 2 * self.pp - 1 - r
+        return self.stages[r][chunk]
 
     def source(self, kind: str, r: int, chunk: int, mb: int) -> Optional[Tuple[Tuple[str, int, int], float]]:
         """(key of the op whose output this op needs from a neighbouring stage, hop cost)."""
@@ -217,7 +219,7 @@ class _Rounds:
         src = s - 1 if kind == F else s + 1
         if not 0 <= src < S:
             return None
-        hop = 0.0 if (r == self.pp - 1 and {s, src} == {self.pp - 1, self.pp}) else self.c.C
+        hop = 0.0 if self.placement.rank_of(src) == r else self.c.C  # the V's turn is local
         return (kind, mb, src), hop
 
     def arrival(self, kind: str, r: int, chunk: int) -> Optional[float]:
@@ -348,4 +350,4 @@ def zb_v(name: str, pp: int, m: int, costs: Costs, cap: int, fill_b: bool, fill_
     """The round construction as a schedule, its makespan in meta."""
     r = _Rounds(pp, m, costs, cap, fill_b, fill_f)
     r.build()
-    return Schedule(name, Placement("v", pp, 2), m, costs, r.ranks, {"makespan": max(r.cur), "candidate": ("rounds", fill_b, fill_f)})
+    return Schedule(name, r.placement, m, costs, r.ranks, {"makespan": max(r.cur), "candidate": ("rounds", fill_b, fill_f)})
