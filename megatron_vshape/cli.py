@@ -2,13 +2,12 @@
 
 Each subcommand is one function taking the parsed arguments and returning an exit code;
 main() only parses and dispatches.  Configuration mistakes print one line on stderr and
-exit with code 2.
+exit with code 2; a file that cannot be written does the same with code 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -23,6 +22,7 @@ from .schedule.predictions import predict
 from .schedule.simulate import SimResult, simulate
 
 EXIT_CONFIG_ERROR = 2
+EXIT_IO_ERROR = 1
 
 
 def _costs(text: Optional[str]) -> Costs:
@@ -59,7 +59,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sim = simulate(schedule)
     written: List[str] = []
     if args.export:
-        _mkdir_for(args.export)
         export_write(schedule, args.export, "json", sim)
         written.append(args.export)
     if args.picture:
@@ -153,14 +152,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
-    _mkdir_for(args.output)
     export_write(schedule, args.output, args.format)
     print(f"wrote {args.output} ({args.format}, {schedule.name}, pp={schedule.pp}, microbatches={schedule.microbatches})")
     return 0
-
-
-def _mkdir_for(path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
@@ -212,6 +206,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"megatron-vshape {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except OSError as exc:
+        print(f"megatron-vshape {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_IO_ERROR
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 from typing import Dict, List, Optional
 
@@ -109,6 +110,7 @@ def render(schedule: Schedule, fmt: str, sim: Optional[SimResult] = None) -> str
 
 def write(schedule: Schedule, path: str, fmt: str = "json", sim: Optional[SimResult] = None) -> None:
     text = render(schedule, fmt, sim)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         f.write(text)
 

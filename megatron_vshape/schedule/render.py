@@ -11,6 +11,7 @@ import os
 from typing import List, Optional, Tuple
 from xml.sax.saxutils import escape
 
+from .errors import ConfigError
 from .ops import B, BW, F, W, Schedule
 from .simulate import SimResult, simulate
 
@@ -145,7 +146,10 @@ def write_picture(schedule: Schedule, path: str, sim: Optional[SimResult] = None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     root, ext = os.path.splitext(path)
     if ext.lower() == ".png":
-        png(schedule, path, sim)
+        try:
+            png(schedule, path, sim)
+        except ImportError:
+            raise ConfigError(f"{path}: PNG pictures need matplotlib; pip install matplotlib, or name an .svg file") from None
         return [path]
     with open(path, "w") as f:
         f.write(svg(schedule, sim))

@@ -79,6 +79,12 @@ def test_config_errors_exit_2_without_traceback(args, message):
     assert r.stderr.startswith(f"megatron-vshape {args[0]}: error:")
 
 
+def test_unwritable_output_exits_1_without_traceback(tmp_path):
+    r = run("export", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--output", str(tmp_path))  # a directory
+    assert r.returncode == 1
+    assert r.stderr.startswith("megatron-vshape export: error:") and "Traceback" not in r.stderr
+
+
 def test_usage_errors_exit_2():
     r = run("plan", "--pp", "4")
     assert r.returncode == 2 and "--schedule" in r.stderr

@@ -1,10 +1,12 @@
 """Timeline pictures: SVG always, PNG when matplotlib is there, text for terminals."""
 import importlib.util
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
 from megatron_vshape.schedule import registry, render
+from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.simulate import simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -51,6 +53,14 @@ def test_png_next_to_svg_when_matplotlib_is_installed(tmp_path):
     png = tmp_path / "sub" / "zb.png"
     assert files == [str(tmp_path / "sub" / "zb.svg"), str(png)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_png_without_matplotlib_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail, as when it is absent
+    s = registry.build("1f1b", 2, 2)
+    with pytest.raises(ConfigError, match="need matplotlib.*svg"):
+        render.write_picture(s, str(tmp_path / "t.png"))
+    assert render.write_picture(s, str(tmp_path / "t.svg")) == [str(tmp_path / "t.svg")]
 
 
 def test_text_timeline():
