@@ -18,7 +18,7 @@ from .schedule.export import FORMATS
 from .schedule.export import to_dict as export_dict
 from .schedule.export import write as export_write
 from .schedule.ops import Costs, Schedule
-from .schedule.predictions import predict
+from .schedule.predictions import Prediction, predict
 from .schedule.simulate import SimResult, simulate
 
 EXIT_CONFIG_ERROR = 2
@@ -37,17 +37,17 @@ def _options(args: argparse.Namespace) -> Dict[str, object]:
 def summary(schedule: Schedule, sim: SimResult) -> dict:
     """The export's figures without the op lists, plus the papers' prediction."""
     out = {k: v for k, v in export_dict(schedule, sim).items() if k != "ranks"}
-    out["prediction"] = _prediction(schedule.name, schedule.pp, schedule.microbatches, schedule, None).to_dict()
+    out["prediction"] = prediction_of(schedule).to_dict()
     return out
 
 
-def _prediction(name: str, pp: int, m: int, schedule: Optional[Schedule], costs: Optional[Costs]):
-    user_costs = costs
-    if schedule is not None:  # recover the user's per-rank costs from the per-stage ones
-        c, k = schedule.costs, schedule.placement.chunks
-        user_costs = Costs(c.F * k, c.B * k, c.W * k, c.C)
-    meta = schedule.meta if schedule is not None else {}
-    return predict(name, pp, m, user_costs or Costs(), chunks=int(meta.get("chunks", 2)), group=int(meta.get("group", 0)))
+def prediction_of(schedule: Schedule) -> Prediction:
+    """The papers' figures for a built schedule; predict takes the user's per-rank costs,
+    which are the schedule's per-stage costs times its chunks."""
+    c, k = schedule.costs, schedule.placement.chunks
+    user_costs = Costs(c.F * k, c.B * k, c.W * k, c.C)
+    return predict(schedule.name, schedule.pp, schedule.microbatches, user_costs, chunks=k,
+                   group=int(schedule.meta.get("group", 0)))
 
 
 def _pct(x: float) -> str:
@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     c = schedule.costs
-    pred = _prediction(schedule.name, schedule.pp, schedule.microbatches, schedule, None)
+    pred = prediction_of(schedule)
     print(f"schedule          {schedule.name}  (placement {schedule.placement.kind}, {schedule.placement.chunks} chunk(s) per rank)")
     print(f"pp, microbatches  {schedule.pp}, {schedule.microbatches}")
     print(f"per-stage costs   F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
@@ -100,11 +100,11 @@ def compare_rows(pp: int, microbatches: int, costs: Costs) -> List[dict]:
             schedule = registry.build(name, pp, microbatches, costs)
         except ConfigError as exc:
             row["error"] = str(exc)
-            row["prediction"] = _prediction(name, pp, microbatches, None, costs).to_dict()
+            row["prediction"] = predict(name, pp, microbatches, costs).to_dict()
             rows.append(row)
             continue
         sim = simulate(schedule)
-        pred = _prediction(name, pp, microbatches, schedule, None)
+        pred = prediction_of(schedule)
         row.update(
             placement=schedule.placement.kind,
             bubble_rate=sim.bubble_rate,
