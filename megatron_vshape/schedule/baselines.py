@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
@@ -52,7 +52,9 @@ def megatron_interleaved_table(microbatches: int, chunks: int, group: int) -> Li
 
 
 @register("1f1b-interleaved")
-def interleaved_1f1b(pp: int, microbatches: int, costs: Costs = Costs(), chunks: int = 2, group: int = 0, **options) -> Schedule:
+def interleaved_1f1b(
+    pp: int, microbatches: int, costs: Costs = Costs(), chunks: int = 2, group: Optional[int] = None, **options
+) -> Schedule:
     """Megatron-core 0.16's interleaved 1F1B on the loop placement (rank r holds r, r+p, ...).
 
     `group` is Megatron's microbatch_group_size_per_vp_stage (default pp). Megatron requires
@@ -62,7 +64,7 @@ def interleaved_1f1b(pp: int, microbatches: int, costs: Costs = Costs(), chunks:
     """
     name = "1f1b-interleaved"
     check_no_options(name, options)
-    chunks, group = int(chunks), int(group or pp)
+    chunks, group = int(chunks), pp if group is None else int(group)  # group=0 is an error, not the default
     if chunks < 2:
         raise ConfigError(f"{name}: chunks={chunks}; interleaving needs chunks >= 2 (use 1f1b for one chunk)")
     check_sizes(name, pp, microbatches, min_microbatches=pp)

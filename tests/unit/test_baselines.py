@@ -67,6 +67,8 @@ def test_interleaved_needs_what_megatron_needs():
         registry.build("1f1b-interleaved", 4, 8, chunks=1)
     with pytest.raises(ConfigError, match=r"group=3.*\[pp=4"):
         registry.build("1f1b-interleaved", 4, 8, group=3)
+    with pytest.raises(ConfigError, match=r"group=0.*\[pp=4"):
+        registry.build("1f1b-interleaved", 4, 8, group=0)
 
 
 @pytest.mark.parametrize("p, m", [(p, m) for p, m in SIZES if m >= p])
