@@ -13,7 +13,7 @@ import io
 import json
 import os
 import re
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule
@@ -114,7 +114,3 @@ def write(schedule: Schedule, path: str, fmt: str = "json", sim: Optional[SimRes
     with open(path, "w", newline="") as f:
         f.write(text)
 
-
-def stage_to_rank(schedule: Schedule) -> Dict[int, int]:
-    """The stage -> rank map torch infers from the CSV (handy for building PipelineStages)."""
-    return {s: schedule.placement.rank_of(s) for s in range(schedule.num_stages)}

@@ -5,7 +5,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 from .errors import ConfigError
 
@@ -197,9 +197,3 @@ def check_no_options(name: str, options: Dict[str, object]) -> None:
     if options:
         raise ConfigError(f"{name}: unknown option(s) {', '.join(sorted(options))}; this schedule takes none")
 
-
-def ops_by_stage(ops: Sequence[Op]) -> Dict[int, List[Op]]:
-    out: Dict[int, List[Op]] = {}
-    for op in ops:
-        out.setdefault(op.stage, []).append(op)
-    return out
