@@ -113,4 +113,3 @@ def write(schedule: Schedule, path: str, fmt: str = "json", sim: Optional[SimRes
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         f.write(text)
-

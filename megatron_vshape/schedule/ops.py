@@ -196,4 +196,3 @@ def check_no_options(name: str, options: Dict[str, object]) -> None:
     """Generators take **options so that every one can name an option it does not know."""
     if options:
         raise ConfigError(f"{name}: unknown option(s) {', '.join(sorted(options))}; this schedule takes none")
-
