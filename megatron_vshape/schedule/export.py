@@ -29,8 +29,10 @@ _TORCH_ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
 
 
 def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
-    """DESIGN.md's export format (plus `chunks`), with the figures of one simulation."""
+    """DESIGN.md's export format (plus `chunks`, and `forward_only` for a forward-only view),
+    with the figures of one simulation."""
     sim = simulate(schedule) if sim is None else sim
+    extra = {"forward_only": True} if schedule.meta.get("forward_only") else {}
     return {
         "schedule": schedule.name,
         "pp": schedule.pp,
@@ -40,6 +42,7 @@ def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
         "costs": schedule.costs.to_dict(),
         "ranks": [[op.to_dict() for op in ops] for ops in schedule.ranks],
         **sim.to_dict(),
+        **extra,
     }
 
 
@@ -56,12 +59,14 @@ def from_dict(data: dict) -> Schedule:
         stages = 1 + max((op.stage for ops in ranks for op in ops), default=0)
         chunks = int(data.get("chunks") or -(-stages // pp))
         costs = Costs(**{k: float(v) for k, v in data.get("costs", {}).items()})
-        schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks)
+        forward_only = data.get("forward_only", False) is True
+        meta = {"forward_only": True} if forward_only else {}
+        schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks, meta)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"not a schedule export (DESIGN.md format): {type(exc).__name__}: {exc}") from None
-    return verify(schedule)
+    return verify(schedule, forward_only)
 
 
 def load_json(path: str) -> Schedule:

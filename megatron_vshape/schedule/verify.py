@@ -74,6 +74,8 @@ def verify(schedule: Schedule, forward_only: bool = False) -> Schedule:
 
 
 def forward_only_view(schedule: Schedule) -> Schedule:
-    """The same schedule with backward ops removed (evaluation runs forward ops only)."""
+    """The same schedule with backward ops removed (evaluation runs forward ops only).
+    meta["forward_only"] marks it, so an export of it reads back as forward-only."""
     ranks = [[op for op in ops if op.kind == F] for ops in schedule.ranks]
-    return Schedule(schedule.name, schedule.placement, schedule.microbatches, schedule.costs, ranks, dict(schedule.meta))
+    meta = {**schedule.meta, "forward_only": True}
+    return Schedule(schedule.name, schedule.placement, schedule.microbatches, schedule.costs, ranks, meta)

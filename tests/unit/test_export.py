@@ -7,7 +7,7 @@ from megatron_vshape.schedule import export, registry
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import B, BW, F, W, Costs
 from megatron_vshape.schedule.simulate import simulate
-from megatron_vshape.schedule.verify import InvalidSchedule
+from megatron_vshape.schedule.verify import InvalidSchedule, forward_only_view
 
 DESIGN_KEYS = {"schedule", "pp", "microbatches", "placement", "costs", "ranks", "makespan", "bubble_rate",
                "span_bubble_rate", "peak_activations", "peak_vs_1f1b"}
@@ -41,6 +41,17 @@ def test_loader_verifies_and_rejects_garbage(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
         export.load_json(str(bad))
+
+
+def test_forward_only_view_round_trips_and_stays_checked():
+    s = forward_only_view(registry.build("v-half", 4, 8))
+    data = json.loads(export.to_json(s))
+    assert data["forward_only"] is True and "forward_only" not in export.to_dict(registry.build("v-half", 4, 8))
+    back = export.from_dict(data)
+    assert back.ranks == s.ranks and back.meta["forward_only"]
+    data["ranks"][0].append({"op": "BW", "stage": 0, "microbatch": 0})
+    with pytest.raises(InvalidSchedule, match="in a forward-only schedule"):
+        export.from_dict(data)
 
 
 def test_loader_infers_chunks_when_absent():
