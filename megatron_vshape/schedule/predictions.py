@@ -60,8 +60,9 @@ def predict(name: str, pp: int, microbatches: int, costs: Costs = Costs(), chunk
         return Prediction(None, "", 2.0, "", True)
     if name == "v-zb":
         # Per-stage costs are half the user's; the start-up of one synchronous iteration.
+        # With m < p there are too few microbatches to fill the V, and more bubble than that.
         f, b, w = costs.F / 2, costs.B / 2, costs.W / 2
-        bubble = (p - 1) * f / ((p - 1) * f + 2 * m * (f + b + w)) if unit else None
+        bubble = (p - 1) * f / ((p - 1) * f + 2 * m * (f + b + w)) if unit and m >= p else None
         return Prediction(bubble, "(p-1)F/((p-1)F+2m(F+B+W))", 1.0, "", True)
     if name == "v-half":
         return Prediction(None, "", ((p + 2) // 2) / p, "((p+2)//2)/p", True)
