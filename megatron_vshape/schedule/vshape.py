@@ -16,7 +16,7 @@ first plan).  The result is verified before it is returned.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
@@ -88,11 +88,18 @@ def memory_caps(name: str, pp: int, microbatches: int, per_1f1b: int) -> List[in
     return [cap] * pp
 
 
-# A candidate block: (offsets collision-free?, interval stretch, turn, spread, bspread, W lag,
-# reservation), turn and spreads in units of one stage's F, the W lag in intervals; the
-# reservation is one of RESERVE (see blocks.reorder).
-Candidate = Tuple[bool, float, float, float, float, float, str]
-RESERVE = ("ahead", "rank", "safe")
+class Candidate(NamedTuple):
+    """A V-shape block for the reorder step to follow, and how that step keeps memory."""
+
+    legal: bool  # offsets placed collision-free modulo the interval (else reorder resolves collisions)
+    stretch: float  # interval = 2(F+B+W) * stretch
+    turn: float  # v_block's turn, spread and bspread, in units of one stage's F
+    spread: float
+    bspread: float
+    w_lag: float  # W's preferred this many intervals later
+    reserve: str  # blocks.reorder's reservation: "ahead" (every skipped F), "rank" (2r+1 on rank r), "safe"
+
+
 # A plan is ("block", Candidate) or ("rounds", fill_b, fill_f).
 Plan = tuple
 
@@ -112,8 +119,8 @@ def _build(name: str, plan: Plan, pp: int, m: int, costs: Costs, caps: Sequence[
         return zb_v(name, pp, m, costs, caps[0], plan[1], plan[2])
     cand = plan[1]
     block = preference_block(pp, costs, cand)
-    reserve = [2 * r + 1 for r in range(pp)] if cand[6] == "rank" else None
-    s = reorder(block, m, caps, name, reserve=reserve, safe=cand[6] == "safe")
+    reserve = [2 * r + 1 for r in range(pp)] if cand.reserve == "rank" else None
+    s = reorder(block, m, caps, name, reserve=reserve, safe=cand.reserve == "safe")
     s.meta["candidate"] = cand
     return s
 
@@ -150,12 +157,12 @@ def _search(name: str, pp: int, m: int, costs: Costs, caps_of, plans: Sequence[P
 # these was the best somewhere (V-Min: the first at equal costs, the second when B > F,
 # the third at larger pp; V-Half: the first reaches the paper's bubble at equal costs).
 PLANS: Dict[str, List[Plan]] = {
-    "v-min": [("block", (False, 1.0, 0, 0, 2, 3, "rank")), ("block", (False, 1.05, 2, 1, 0, 0.5, "ahead")),
-              ("block", (False, 1.05, 2, 0, 0, 0.5, "rank"))],
-    "v-half": [("block", (True, 1.0, 4, 1, 2, 3, "ahead")), ("block", (False, 1.0, 0, 1, 1, 0.5, "ahead"))],
+    "v-min": [("block", Candidate(False, 1.0, 0, 0, 2, 3, "rank")), ("block", Candidate(False, 1.05, 2, 1, 0, 0.5, "ahead")),
+              ("block", Candidate(False, 1.05, 2, 0, 0, 0.5, "rank"))],
+    "v-half": [("block", Candidate(True, 1.0, 4, 1, 2, 3, "ahead")), ("block", Candidate(False, 1.0, 0, 1, 1, 0.5, "ahead"))],
     "v-zb": [("rounds", True, True), ("rounds", True, False)],
 }
-SAFE: Candidate = (False, 1.0, 0, 0, 0, 0, "safe")
+SAFE = Candidate(False, 1.0, 0, 0, 0, 0, "safe")
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:
