@@ -145,10 +145,10 @@ def reorder(
     of them when given).  With `safe`, a rank instead starts a new microbatch only if memory
     stays reserved for every later-chunk F of the microbatches it has started; then no rank
     can wait for memory forever (caps >= chunks per rank), whatever the preferences.  In the
-    steady state this keeps
-    the block's order; in warm-up and cool-down it pulls ops into the idle time the repeated
-    block leaves, without exceeding the cap (so without raising peak memory when the cap is
-    the block's peak).  The block only sets preferences here: its offsets may collide, the
+    steady state this keeps the block's order; in warm-up and cool-down it pulls ops into the
+    idle time the repeated block leaves, without exceeding the cap (so without raising peak
+    memory when the cap is the block's peak).  Each decision looks at the first `window`
+    not-yet-run ops of the rank's preference order (keeps a decision cheap; `safe` looks at all).  The block only sets preferences here: its offsets may collide, the
     list scheduler resolves that.  Times follow simulate's rules (an op starts when its rank
     is free and its inputs have arrived, plus C across ranks), so the result's eager
     timeline is the one built here.  Raises Stuck when no rank can make progress.
