@@ -30,11 +30,13 @@ class P2PTimeout(RuntimeError):
     """A receive (or the end-of-step wait for a send) did not complete within the timeout."""
 
 
-def directional_groups(pp_ranks: Sequence[int]) -> Dict[Tuple[int, int], dist.ProcessGroup]:
+def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] = None
+                       ) -> Dict[Tuple[int, int], dist.ProcessGroup]:
     """One process group per direction (src, dst) of each pair of pipeline-ring neighbours.
 
-    Keys are global ranks.  Creating groups is collective over the whole world, so every rank
-    learns every pipeline's ranks first and all ranks create the same groups in the same order.
+    Keys are global ranks; `device` is where this rank's tensors live (used under NCCL).  Creating
+    groups is collective over the whole world, so every rank learns every pipeline's ranks first
+    and all ranks create the same groups in the same order.
     Cached: call it from every rank on the first step (the executor does).
     """
     key = tuple(pp_ranks)
@@ -61,7 +63,7 @@ def directional_groups(pp_ranks: Sequence[int]) -> Dict[Tuple[int, int], dist.Pr
         # a receive posted ahead on one direction could then wait for a peer that itself waits on
         # the other direction.  Initialise every group now, in the same global order on all ranks.
         for group in _GROUPS[key].values():
-            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()), group=group)
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
     return _GROUPS[key]
 
 
@@ -81,7 +83,7 @@ class P2P:
                  shape: Sequence[int], dtype: torch.dtype, device: torch.device, timeout: float):
         self.pp_ranks, self.rank = list(pp_ranks), rank
         self.shape, self.dtype, self.device, self.timeout = tuple(shape), dtype, device, timeout
-        self.groups = directional_groups(self.pp_ranks)
+        self.groups = directional_groups(self.pp_ranks, device)
         self.expected = {src: deque(msgs) for src, msgs in expected.items()}
         self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
         self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
