@@ -27,17 +27,26 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import LayerType
-from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
 
+try:  # megatron-core releases without layer layouts cannot number the V's layers; the V says so when built
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+except ImportError:  # pragma: no cover - depends on the megatron-core release
+    PipelineParallelLayerLayout = None
 
-class VShapeLayerLayout(PipelineParallelLayerLayout):
+
+class VShapeLayerLayout(PipelineParallelLayerLayout or object):
     """megatron-core layer layout for the V placement: `layers_per_stage` decoder layers per stage,
     embedding in stage 0, loss in stage 2p-1, stages ordered along the V."""
 
     def __init__(self, pp: int, num_layers: int):
+        if PipelineParallelLayerLayout is None:
+            from megatron.core.package_info import __version__
+
+            raise ConfigError(f"megatron-core {__version__} has no transformer.pipeline_parallel_layer_layout, "
+                              "which the V placement needs to number its layers; use megatron-core >= 0.16")
         self.placement = Placement("v", pp, 2)
         self.pipeline_model_parallel_size = pp
         self.virtual_pipeline_model_parallel_size = 2
@@ -203,8 +212,13 @@ def build_model_chunks(
 def _without_embedding_group(pg_collection):
     """The V needs no embedding group (both ends on rank 0): with none, megatron-core's set-up
     skips its initial embedding all-reduce (which also moves the weight to CUDA)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+    except ImportError:  # pragma: no cover - depends on the megatron-core release
+        from megatron.core.package_info import __version__
 
+        raise ConfigError(f"megatron-core {__version__} has no ProcessGroupCollection, which the V placement "
+                          "needs to build its chunks without an embedding group; use megatron-core >= 0.16") from None
     pg_collection = copy.copy(pg_collection or ProcessGroupCollection.use_mpu_process_groups())
     pg_collection.embd = None
     return pg_collection
