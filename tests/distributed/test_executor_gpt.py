@@ -24,9 +24,9 @@ import torch
 
 from megatron_vshape.integration.launch import launch
 from megatron_vshape.schedule import registry
-from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Placement
 from megatron_vshape.testing.tiny_gpt import TinyGPT, compare
+from test_executor_linear import schedule_cases
 
 # Momentum SGD: a real torch.optim optimizer, elementwise, so it acts the same on TP shards.
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -38,22 +38,7 @@ SINGLE = Placement("single", 1)
 
 def _cases(tiny, pp, names=None, counts=None):
     """(tiny, name, microbatches, generator options) for the schedules and microbatch counts."""
-    out = []
-    for name in names or registry.names():
-        for m in counts or sorted({1, pp, 2 * pp + 1, 4 * pp}):
-            options = ()
-            try:
-                registry.build(name, pp, m)
-            except ConfigError:
-                if m == 1:
-                    continue  # the schedule needs more microbatches than 1
-                if name != "1f1b-interleaved":
-                    raise
-                # Megatron's interleaving groups microbatches by pp; one group of m runs any m.
-                options = (("group", m),)
-                registry.build(name, pp, m, **dict(options))
-            out.append((tiny, name, m, options))
-    return out
+    return [(tiny, name, m, options) for name, m, options in schedule_cases(pp, names, counts)]
 
 
 def _placement(case, pp):

@@ -243,14 +243,15 @@ def _job(rank, world_size, cases, with_reference):
     return {"results": results, "refs": refs}
 
 
-def _cases(pp, ddp_like=False, names=None):
-    """(name, pp, m, generator options, ddp_like) for every schedule and microbatch count."""
+def schedule_cases(pp, names=None, counts=None):
+    """(name, m, generator options) for the schedules (default: all registered) and microbatch
+    counts (default 1, pp, 2pp+1, 4pp; 1 only where the schedule allows it)."""
     out = []
     for name in names or registry.names():
-        for m in sorted({1, pp, 2 * pp + 1, 4 * pp}):
+        for m in counts or sorted({1, pp, 2 * pp + 1, 4 * pp}):
             options = ()
             if name.startswith("local/"):
-                out.append((name, pp, m, options, ddp_like))
+                out.append((name, m, options))
                 continue
             try:
                 registry.build(name, pp, m)
@@ -262,8 +263,13 @@ def _cases(pp, ddp_like=False, names=None):
                 # Megatron's interleaving groups microbatches by pp; one group of m runs any m.
                 options = (("group", m),)
                 registry.build(name, pp, m, **dict(options))
-            out.append((name, pp, m, options, ddp_like))
+            out.append((name, m, options))
     return out
+
+
+def _cases(pp, ddp_like=False, names=None):
+    """(name, pp, m, generator options, ddp_like) for every schedule and microbatch count."""
+    return [(name, pp, m, options, ddp_like) for name, m, options in schedule_cases(pp, names)]
 
 
 def _check(cases, jobs):
