@@ -57,12 +57,12 @@ class _Executor:
                  schedule_options: Optional[dict] = None):
         self.schedule, self.costs, self.p2p_timeout, self.stats = schedule, costs, p2p_timeout, stats
         self.schedule_options = dict(schedule_options or {})
-        self._cache: Dict[Tuple[int, int, bool], tuple] = {}
+        self._cache: Dict[Tuple[int, int, bool, int], tuple] = {}
         self.__name__ = f"forward_backward_{getattr(schedule, 'name', schedule)}"
 
     # The schedule and its per-rank plan, generated identically on every rank and cached.
     def _plan(self, pp: int, m: int, forward_only: bool, rank: int):
-        key = (pp, m, forward_only)
+        key = (pp, m, forward_only, rank)
         if key not in self._cache:
             if isinstance(self.schedule, str):
                 sched = registry.build(self.schedule, pp, m, self.costs, **self.schedule_options)
@@ -75,7 +75,8 @@ class _Executor:
                 verify(sched)
             if forward_only:
                 sched = verify(forward_only_view(sched), forward_only=True)
-            self._cache[key] = (sched, rank_plan(sched, rank, channels(sched)), channels(sched))
+            chans = channels(sched)
+            self._cache[key] = (sched, rank_plan(sched, rank, chans), chans)
         return self._cache[key]
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -85,6 +86,29 @@ class _Executor:
         return _Step(self, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
                      forward_only, collect_non_loss_data, first_val_step, adjust_tensor_shapes_fn, p2p_communicator,
                      pg_collection, force_all_reduce).run()
+
+
+# Keywords of megatron-core's forward_step the executor relies on: the stage that computes the
+# loss is decided by the schedule (rank 0 in the V), not by parallel_state, so is_last_stage must
+# be passable; cp_group_size comes with it (megatron-core asserts both or neither).
+_FORWARD_STEP_KEYWORDS = ("cp_group_size", "collect_non_loss_data", "is_first_microbatch", "current_microbatch",
+                          "is_last_stage")
+
+
+def _megatron_steps():
+    """megatron-core's (forward_step, backward_step, check_first_val_step), checked for the keywords used."""
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+
+    missing = [k for k in _FORWARD_STEP_KEYWORDS if k not in inspect.signature(schedules.forward_step).parameters]
+    if missing:
+        from megatron.core.package_info import __version__
+
+        raise ConfigError(f"megatron-core {__version__}: pipeline_parallel.schedules.forward_step takes no "
+                          f"{', '.join(missing)}; megatron_vshape needs a release whose forward_step takes "
+                          f"{', '.join(_FORWARD_STEP_KEYWORDS)} (tested with 0.16)")
+    return schedules.forward_step, schedules.backward_step, schedules.check_first_val_step
 
 
 def _groups(pg_collection, p2p_communicator):
@@ -105,6 +129,7 @@ class _Step:
                  pg_collection, force_all_reduce):
         from megatron.core.utils import get_model_config, get_model_type
 
+        self.forward_step, self.backward_step, self.check_first_val_step = _megatron_steps()
         self.model = model if isinstance(model, list) else [model]
         self.config = get_model_config(self.model[0])
         self.model_type = get_model_type(self.model[0])
@@ -258,7 +283,7 @@ class _Step:
                 enable(c)
         losses = self._ship_losses(store, total_tokens)
         if cfg.finalize_model_grads_func is not None and not self.forward_only:
-            cfg.finalize_model_grads_func(self.model, self._tokens if cfg.calculate_per_token_loss else None,
+            cfg.finalize_model_grads_func(self.model, total_tokens if cfg.calculate_per_token_loss else None,
                                           pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
         if cfg.timers is not None:
             cfg.timers("forward-backward").stop()
@@ -266,8 +291,6 @@ class _Step:
 
     # ---- one op ------------------------------------------------------------------------------
     def _compute(self, op, c, inputs, outputs, arrived, wgrads, store):
-        from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
-
         key = (op.stage, op.microbatch)
         need = input_message(op, self.S)
         if op.kind == F:
@@ -279,11 +302,12 @@ class _Step:
                     x = local_activation(x, requires_grad=not self.forward_only)
             saving = self.stats.saved_tensors() if (self.stats and not self.forward_only) else contextlib.nullcontext()
             with wgrad.split_forward(self.split), saving:
-                out, tokens = forward_step(
+                out, tokens = self.forward_step(
                     self.forward_step_func, self.iters[c], self.model[c], self.m, x, store, self.config,
-                    self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
-                    is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, op.microbatch == 0),
-                    current_microbatch=op.microbatch, vp_stage=None, is_last_stage=op.stage == self.S - 1)
+                    cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
+                    is_first_microbatch=self.check_first_val_step(self.first_val_step, self.forward_only,
+                                                                  op.microbatch == 0),
+                    current_microbatch=op.microbatch, is_last_stage=op.stage == self.S - 1)
             if not self.forward_only:
                 inputs[key], outputs[key] = x, out
             return out, tokens
@@ -295,10 +319,10 @@ class _Step:
                 # split_forward too: a forward recomputed inside B (activation checkpointing)
                 # defers its weight GEMMs to this stage's W like the original forward.
                 with wgrad.split_forward(True), wgrad.collect(entries):
-                    dx = backward_step(x, y, dy, self.model_type, self.config)
+                    dx = self.backward_step(x, y, dy, self.model_type, self.config)
                 wgrads[key] = entries
             else:
-                dx = backward_step(x, y, dy, self.model_type, self.config)
+                dx = self.backward_step(x, y, dy, self.model_type, self.config)
                 wgrad.te_backward_dw(self.te[c])
             return dx
         # W
@@ -318,8 +342,9 @@ class _Step:
 
     # ---- losses and token count to the last pipeline rank ---------------------------------------
     def _ship_losses(self, store, total_tokens):
+        """Loss dicts to the last pipeline rank (returned there, [] elsewhere); `total_tokens` is
+        broadcast in place from the loss rank, so every rank, the last included, holds the count."""
         last = self.pp - 1
-        self._tokens = total_tokens
         if self.loss_rank == last:
             return store if self.rank == last else []
         src = self.pp_ranks[self.loss_rank]
