@@ -348,7 +348,20 @@ class _Step:
         if self.loss_rank == last:
             return store if self.rank == last else []
         src = self.pp_ranks[self.loss_rank]
-        box = [store if self.rank == self.loss_rank else None]
+        # Pickled tensors unpickle onto the sender's device: ship them on CPU and put them on this
+        # rank's device, where Megatron's training loop reduces them over its own groups.
+        box = [_on_device(store, torch.device("cpu")) if self.rank == self.loss_rank else None]
         dist.broadcast_object_list(box, src=src, group=self.pp_group, device=self.device if self.device.type != "cpu" else None)
         dist.broadcast(total_tokens, src=src, group=self.pp_group)
-        return box[0] if self.rank == last else []
+        return _on_device(box[0], self.device) if self.rank == last else []
+
+
+def _on_device(obj, device: torch.device):
+    """Tensors inside loss dicts (dicts, lists, tuples of them) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_on_device(v, device) for v in obj)
+    return obj
