@@ -17,7 +17,7 @@ from .schedule.errors import ConfigError
 from .schedule.export import FORMATS
 from .schedule.export import to_dict as export_dict
 from .schedule.export import write as export_write
-from .schedule.ops import Costs, Schedule
+from .schedule.ops import Costs, Schedule, check_sizes
 from .schedule.predictions import Prediction, predict
 from .schedule.simulate import SimResult, simulate
 
@@ -129,6 +129,7 @@ def format_table(header: List[str], rows: List[List[str]]) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     costs = _costs(args.costs)
+    check_sizes("compare", args.pp, args.microbatches)  # what every schedule needs; else no row would serve
     rows = compare_rows(args.pp, args.microbatches, costs)
     if args.json:
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(), "rows": rows}, indent=2))

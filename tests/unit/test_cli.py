@@ -70,6 +70,8 @@ def test_export(fmt, tmp_path):
     (("plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--chunks", "2"), "chunks"),
     (("plan", "--schedule", "1f1b-interleaved", "--pp", "4", "--microbatches", "3"), "microbatches >= 4"),
     (("compare", "--pp", "4", "--microbatches", "8", "--costs", "1,2"), "expected 3 or 4 numbers"),
+    (("compare", "--pp", "1", "--microbatches", "8"), "pp >= 2"),
+    (("compare", "--pp", "4", "--microbatches", "0", "--json"), "microbatches >= 1"),
     (("export", "--schedule", "1f1b", "--pp", "4", "--microbatches", "0", "--output", "x.json"), "microbatches >= 1"),
 ])
 def test_config_errors_exit_2_without_traceback(args, message):
