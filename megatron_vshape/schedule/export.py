@@ -62,7 +62,7 @@ def from_dict(data: dict) -> Schedule:
         forward_only = data.get("forward_only", False) is True
         meta = {"forward_only": True} if forward_only else {}
         schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks, meta)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # any malformed field
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"not a schedule export (DESIGN.md format): {type(exc).__name__}: {exc}") from None

@@ -37,6 +37,10 @@ def test_loader_verifies_and_rejects_garbage(tmp_path):
         export.from_dict(data)
     with pytest.raises(ConfigError, match="not a schedule export"):
         export.from_dict({"schedule": "x"})
+    header = {"schedule": "x", "microbatches": 1, "placement": "single", "ranks": []}
+    for broken in ({**header, "pp": 0}, {**header, "pp": 2, "costs": [1, 1, 1]}):
+        with pytest.raises(ConfigError, match="not a schedule export|pp=0"):
+            export.from_dict(broken)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
