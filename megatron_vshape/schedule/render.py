@@ -163,8 +163,9 @@ def write_picture(schedule: Schedule, path: str, sim: Optional[SimResult] = None
 
 
 def text(schedule: Schedule, sim: Optional[SimResult] = None, columns: int = 120) -> str:
-    """Terminal timeline: each op as `F3` (kind, microbatch) over the columns it covers, or
-    just its kind letter when too narrow; '.' where the rank idles."""
+    """Terminal timeline: each op as `F3@5` over the columns it covers, shortened to `F3`
+    (kind, microbatch) or to its kind letter when too narrow; '.' where the rank idles.
+    Without colours the stage is the only way to tell chunks apart, so it is kept when it fits."""
     sim = simulate(schedule) if sim is None else sim
     span = sim.makespan or 1.0
     per_col = span / columns
@@ -175,8 +176,8 @@ def text(schedule: Schedule, sim: Optional[SimResult] = None, columns: int = 120
             a = int(round(start / per_col))
             b = max(a + 1, int(round(end / per_col)))
             width = b - a
-            label = f"{op.kind}{op.microbatch}"
-            body = label.ljust(width) if len(label) <= width else (op.kind * width)[:width]
+            label = next((t for t in (str(op), f"{op.kind}{op.microbatch}") if len(t) <= width), op.kind * width)
+            body = label[:width].ljust(width)
             cells[a : min(b, columns)] = list(body[: max(0, min(b, columns) - a)])
         lines.append(f"rank {r:>3} |{''.join(cells)}|")
     return "\n".join(lines)

@@ -68,3 +68,5 @@ def test_text_timeline():
     lines = render.text(s, columns=60).splitlines()
     assert len(lines) == 3 and all(len(l) == len(lines[0]) for l in lines)
     assert lines[0].startswith("rank   0 |F0") and lines[2].startswith("rank   2 |.")  # rank 2 waits for F0
+    wide = render.text(registry.build("v-zb", 2, 2), columns=200)
+    assert "F0@0" in wide and "F0@3" in wide  # the two chunks of microbatch 0 on rank 0, told apart by stage
