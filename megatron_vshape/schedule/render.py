@@ -27,6 +27,12 @@ def shade(kind: str, chunk: int, chunks: int) -> Tuple[int, int, int]:
     return tuple(round(c + (255 - c) * mix) for c in KIND_COLOUR[kind])  # type: ignore[return-value]
 
 
+def _kinds_present(schedule: Schedule) -> List[str]:
+    """Op kinds the schedule uses, in legend order (a legend lists only these)."""
+    used = {op.kind for ops in schedule.ranks for op in ops}
+    return [k for k in (F, B, W, BW) if k in used]
+
+
 def _hex(rgb: Tuple[int, int, int]) -> str:
     return "#%02x%02x%02x" % rgb
 
@@ -68,7 +74,7 @@ def svg(schedule: Schedule, sim: Optional[SimResult] = None, width: int = 1600) 
         f'<text x="{LEFT}" y="16" font-size="13">{escape(title(schedule, sim))}</text>',
     ]
     # Legend: one swatch per kind present, per chunk.
-    kinds = [k for k in (F, B, W, BW) if any(op.kind == k for ops in schedule.ranks for op in ops)]
+    kinds = _kinds_present(schedule)
     x = LEFT
     for k in kinds:
         for c in range(pl.chunks):
@@ -127,7 +133,7 @@ def png(schedule: Schedule, path: str, sim: Optional[SimResult] = None) -> None:
     ax.set_xlim(0, sim.makespan or 1)
     ax.set_xlabel("time (cost units)")
     ax.set_title(title(schedule, sim), fontsize=8)
-    kinds = [k for k in (F, B, W, BW) if any(op.kind == k for ops in schedule.ranks for op in ops)]
+    kinds = _kinds_present(schedule)
     handles = [
         Patch(color=[v / 255 for v in shade(k, c, pl.chunks)], label=KIND_LABEL[k] + (f", chunk {c}" if pl.chunks > 1 else ""))
         for k in kinds
