@@ -152,21 +152,35 @@ class _SplitLinear(torch.autograd.Function):
         return grad_input, None, grad_bias, None, None, None, None, None
 
 
-def _split_forward_impl(module, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                        sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
-    """Replacement for `{Column,Row}ParallelLinear._forward_impl` installed by `install`."""
-    if not (_state.split and weight.requires_grad):
-        return type(module)._forward_impl(
-            module, input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-            grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
-    if grad_output_buffer is not None:
-        from ..schedule.errors import ConfigError
+# Arguments of megatron-core's linear_with_grad_accumulation_and_async_allreduce, in order.
+_LINEAR_ARGS = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+                "grad_output_buffer", "wgrad_deferral_limit", "tp_group")
 
+
+def _split_forward_impl(module, args, kwargs):
+    """Replacement for `{Column,Row}ParallelLinear._forward_impl` installed by `install`."""
+    call = dict(zip(_LINEAR_ARGS, args), **kwargs)
+    if not (_state.split and call["weight"].requires_grad):
+        return type(module)._forward_impl(module, *args, **kwargs)  # megatron-core's own, as called
+    from ..schedule.errors import ConfigError
+
+    # A newer megatron-core may pass options this split does not implement: refuse rather than ignore.
+    unknown = {k: v for k, v in call.items() if k not in _LINEAR_ARGS and v is not None}
+    if unknown:
+        raise ConfigError(f"{type(module).__name__} passes {sorted(unknown)} to its linear function, which the B/W "
+                          "split of megatron_vshape does not implement; use a schedule without a split (1f1b)")
+    if call.get("grad_output_buffer") is not None:
         raise ConfigError("defer_embedding_wgrad_compute=True conflicts with a B/W-split schedule, which already "
                           "defers the output layer's weight gradient to W; set defer_embedding_wgrad_compute=False")
-    return _SplitLinear.apply(input, weight.detach(), bias, _Ref(weight), gradient_accumulation_fusion,
-                              allreduce_dgrad, sequence_parallel, tp_group)
+    tp_group = call.get("tp_group")
+    if tp_group is None and (call["allreduce_dgrad"] or call["sequence_parallel"]):
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()  # megatron-core's fallback for None
+    weight = call["weight"]
+    return _SplitLinear.apply(call["input"], weight.detach(), call["bias"], _Ref(weight),
+                              call["gradient_accumulation_fusion"], call["allreduce_dgrad"], call["sequence_parallel"],
+                              tp_group)
 
 
 def install(chunk: torch.nn.Module) -> int:
@@ -188,7 +202,7 @@ def install(chunk: torch.nn.Module) -> int:
 
 def _bind(module):
     def forward_impl(*args, **kwargs):
-        return _split_forward_impl(module, *args, **kwargs)
+        return _split_forward_impl(module, args, kwargs)
 
     return forward_impl
 

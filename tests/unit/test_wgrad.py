@@ -110,3 +110,18 @@ def test_fifo_w_order():
     assert wgrad.check_fifo_w_order(ops) is None
     swapped = [Op.parse(t) for t in "F0@0 F1@0 B0@0 B1@0 W1@0 W0@0".split()]
     assert "stage 0" in wgrad.check_fifo_w_order(swapped)
+
+
+def test_unknown_linear_option_is_refused_under_split_and_passed_through_without(megatron_world):
+    from megatron_vshape.schedule.errors import ConfigError
+
+    model = _layers()
+    x = torch.randn(4, 2, 6)
+    fc1 = model[0]
+    call = dict(input=x, weight=fc1.weight, bias=fc1.bias, gradient_accumulation_fusion=False,
+                allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
+    with wgrad.split_forward(), pytest.raises(ConfigError, match="newer_option"):
+        fc1._forward_impl(**call, newer_option=True)
+    with wgrad.split_forward():  # an option left at None changes nothing: accepted
+        split = fc1._forward_impl(**call, newer_option=None)
+    assert torch.equal(split, type(fc1)._forward_impl(fc1, **call))  # same forward as megatron-core's own
