@@ -2,8 +2,8 @@
 
 `Recorder` is passed to the executor (`get_forward_backward_func(..., stats=recorder)`).  It
 records, per executed op, `(kind, microbatch, stage, start, end)` in seconds from
-`time.perf_counter()` (on CUDA the device is synchronised at the end of each op so the times
-are real), and tracks the bytes of tensors saved for backward:
+`time.perf_counter()` (on an accelerator the device is synchronised at the end of each op so
+the times are real), and tracks the bytes of tensors saved for backward:
 
 * tensors autograd saves during an F op (through `torch.autograd.graph.saved_tensors_hooks`),
 * tensors a B op keeps for its deferred W (grad_output and input of each deferred GEMM),
@@ -86,8 +86,8 @@ class Recorder:
     def op(self, kind: str, microbatch: int, stage: int, device: torch.device) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type != "cpu":  # accelerator kernels run asynchronously: wait so the end time is real
+            torch.accelerator.synchronize(device)
         self.ops.append((kind, microbatch, stage, start, time.perf_counter()))
 
     def to_dict(self) -> dict:
