@@ -15,7 +15,9 @@ the config, so chunks pass vp_stage 0/1), and an embedding group holding only th
 rank (`embedding_ranks_for`): the embedding (stage 0) and the output layer (stage 2p-1) both live on
 rank 0, so tied weights are ONE parameter there, owned by chunk 0; chunk 1 borrows it for its output
 layer without registering it, so optimizers and DDP see it once, its gradient sums both uses through
-autograd, and finalize_model_grads' embedding all-reduce is a no-op (group of one).
+autograd, and finalize_model_grads' embedding all-reduce is a no-op (group of one).  Chunk 1 lists it
+in `borrowed_parameters`, so the executor keeps chunk 0's grad sync open until chunk 1's last
+contribution (its output layer's last W).
 """
 from __future__ import annotations
 
@@ -230,6 +232,8 @@ def _tie_output_to_embedding(head: GPTModel, first: GPTModel) -> None:
     del head.output_layer.weight
     head.output_layer.weight = None
     head.shared_embedding_or_output_weight = lambda: weight
+    # The executor's grad sync of chunk 0 must wait for this chunk's output-layer contribution.
+    head.borrowed_parameters = (weight,)
     # The weight is checkpointed once, by chunk 0, under the embedding key, as without pipelining.
     head.tie_embeddings_and_output_weights_state_dict = lambda *args, **kwargs: None
 

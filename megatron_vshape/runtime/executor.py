@@ -9,11 +9,15 @@ an order.  Forward and backward of one microbatch go through megatron-core's own
 output deallocation are Megatron's.
 
 Rules derived from the op list (stated once, here):
-  * Grad sync (DDP's overlapped reduction) of chunk c: without `config.grad_sync_func`, the
-    chunk's `no_sync` is lifted exactly during its last B-or-BW op and its last W-or-BW op,
-    so every gradient hook registers a parameter once, on its final contribution (B for
-    parameters not split, W for split weights).  With `grad_sync_func`, it is called for chunk
-    c right after the chunk's last W-or-BW op.  After its last such op a chunk stays synced.
+  * Grad sync (DDP's overlapped reduction) of chunk c covers every op that makes a final
+    contribution to one of c's parameters: the last B-or-BW and last W-or-BW ops of c and of
+    every chunk that borrows a parameter of c (a tied word embedding owned by chunk 0 and used by
+    chunk 1's output layer on the V: `borrowed_parameters`, marked by runtime.chunks).  Without
+    `config.grad_sync_func`, c's `no_sync` is lifted exactly during those ops, so every gradient
+    hook registers a parameter on its final contribution (B for parameters not split, W for split
+    weights; a tied weight also on its other use's last op: the same ops every step, as
+    megatron-core's golden registration counts need).  With `grad_sync_func`, it is called for c
+    right after the latest of those ops.  After the latest of them, c stays synced.
   * Param sync: `config.param_sync_func[c]` is called right before chunk c's first F.
   * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
     and token count are shipped to the last pipeline rank, which returns them, as Megatron
@@ -178,24 +182,45 @@ class _Step:
                 raise ConfigError(f"schedule {self.sched.name!r}: Transformer Engine defers weight gradients per layer "
                                   f"in B order, but {problem}; use a schedule whose W follow B order per stage")
         self.stats = ex.stats
+        self.contributors = self._contributors()
         # Last: posts the first receives, after every configuration check has passed.
         expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
         self.p2p = P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
 
     # ---- grad / param sync rules (see module docstring) --------------------------------------
     def _sync_points(self):
-        ops = [s.op for s in self.plan]
-        chunk_of = self.placement.chunk_of
+        """(lifts, done, first_f): the op indices during which each chunk's no_sync is lifted, the
+        index after which it stays synced (grad_sync_func's turn), and each chunk's first F."""
         last_b, last_w, first_f = {}, {}, {}
-        for i, op in enumerate(ops):
-            c = chunk_of(op.stage)
-            if op.kind in (B, BW):
+        for i, step in enumerate(self.plan):
+            c = self.placement.chunk_of(step.op.stage)
+            if step.op.kind in (B, BW):
                 last_b[c] = i
-            if op.kind in (W, BW):
+            if step.op.kind in (W, BW):
                 last_w[c] = i
-            if op.kind == F:
+            if step.op.kind == F:
                 first_f.setdefault(c, i)
-        return last_b, last_w, first_f
+        lifts, done = {}, {}
+        for c, covered in enumerate(self.contributors):
+            lifts[c] = {last[k] for k in covered for last in (last_b, last_w) if k in last}
+            done[c] = max(lifts[c], default=None)
+        return lifts, done, first_f
+
+    def _contributors(self) -> List[set]:
+        """For each chunk, the chunks whose ops contribute to its parameters: itself and every
+        chunk borrowing one of them (matched by identity; the owner registers the parameter)."""
+        owned = [{id(p) for p in chunk.parameters()} for chunk in self.model]
+        out = [{c} for c in range(len(self.model))]
+        for k, chunk in enumerate(self.model):
+            for p in _borrowed_parameters(chunk):
+                owners = [c for c, ids in enumerate(owned) if id(p) in ids]
+                if not owners:
+                    raise ConfigError(f"model chunk {k} borrows a parameter of shape {tuple(p.shape)} that no model "
+                                      "chunk of this rank owns, so no chunk's grad sync would cover it; register it "
+                                      "in the chunk that owns it")
+                for c in owners:
+                    out[c].add(k)
+        return out
 
     def _no_sync_funcs(self):
         f = self.config.no_sync_func
@@ -221,7 +246,11 @@ class _Step:
             grad_sync = [grad_sync] * nchunks
         if param_sync is not None and not isinstance(param_sync, list):
             param_sync = [param_sync] * nchunks
-        last_b, last_w, first_f = self._sync_points()
+        lifts, done, first_f = self._sync_points()
+        lifted_at: Dict[int, List[int]] = {}
+        for c, ops in lifts.items():
+            for i in ops:
+                lifted_at.setdefault(i, []).append(c)
         contexts: List[Optional[contextlib.AbstractContextManager]] = [None] * nchunks
 
         def disable(c):
@@ -257,9 +286,9 @@ class _Step:
                     arrived[msg] = self.p2p.recv(msg, src, str(op))
                 if op.kind == F and param_sync is not None and first_f.get(c) == i:
                     param_sync[c](self.model[c].parameters())
-                final = i in (last_b.get(c), last_w.get(c)) and grad_sync is None
-                if final:
-                    enable(c)
+                lifted = lifted_at.get(i, []) if grad_sync is None else []
+                for k in lifted:
+                    enable(k)
                 timer = self.stats.op(op.kind, op.microbatch, op.stage, self.device) if self.stats else contextlib.nullcontext()
                 with timer:
                     out = self._compute(op, c, inputs, outputs, arrived, wgrads, store)
@@ -270,11 +299,14 @@ class _Step:
                 if op.kind == F and op.stage < self.S - 1 and not self.forward_only:
                     # Sent (or handed over) through a detached alias: free the data, keep grad_fn.
                     deallocate_output_tensor(out, cfg.deallocate_pipeline_outputs)
-                if final and i != last_w.get(c):
-                    disable(c)
-                if grad_sync is not None and i == last_w.get(c):
-                    enable(c)
-                    grad_sync[c](self.model[c].parameters())
+                for k in lifted:
+                    if i != done[k]:
+                        disable(k)
+                if grad_sync is not None:
+                    for k in lifted_at.get(i, []):
+                        if i == done[k]:
+                            enable(k)
+                            grad_sync[k](self.model[k].parameters())
             self.p2p.finish()
         finally:
             if self.stats is not None:
@@ -354,6 +386,18 @@ class _Step:
         dist.broadcast_object_list(box, src=src, group=self.pp_group, device=self.device if self.device.type != "cpu" else None)
         dist.broadcast(total_tokens, src=src, group=self.pp_group)
         return _on_device(box[0], self.device) if self.rank == last else []
+
+
+def _borrowed_parameters(module) -> tuple:
+    """Parameters a chunk uses without owning them (its `borrowed_parameters`), looked up
+    through Megatron's wrappers (DDP, Float16Module) the way get_attr_wrapped_model walks them."""
+    while True:
+        found = getattr(module, "borrowed_parameters", None)
+        if found is not None:
+            return tuple(found)
+        if not hasattr(module, "module"):
+            return ()
+        module = module.module
 
 
 def _on_device(obj, device: torch.device):
