@@ -6,6 +6,8 @@ model without pipelining, from the same weights and data.
 * TP=2 x PP=2, tied embeddings (V) and untied: three steps of torch.optim.SGD with momentum, then
   evaluation, against the same model at TP=2 without pipelining (so pipelining is the only
   difference), and loosely against the one-rank model without TP.
+* Grad sync of the V's tied word embedding (owned by chunk 0, borrowed by chunk 1's output layer):
+  DDP-like hooks and grad_sync_func see its gradient complete.
 
 Losses and gradients must be bitwise equal where the order of additions is the same: every
 parameter gets one contribution per microbatch, in microbatch order, on both sides.  The one
@@ -26,7 +28,7 @@ from megatron_vshape.integration.launch import launch
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import Placement
 from megatron_vshape.testing.tiny_gpt import TinyGPT, compare
-from test_executor_linear import schedule_cases
+from test_executor_linear import build, schedule_cases
 
 # Momentum SGD: a real torch.optim optimizer, elementwise, so it acts the same on TP shards.
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -174,3 +176,92 @@ def test_tp2_pp2_several_optimizer_steps():
     cases = (_cases(tied, 2, names=["v-zb", "v-half", "v-min"], counts=[2, 5])
              + _cases(untied, 2, names=["1f1b", "1f1b-interleaved", "zb-h1", "zb-h2", "v-zb"], counts=[2, 5]))
     _run(tp=2, pp=2, steps=3, cases=cases, sanity=True)
+
+
+# ---- grad sync of a tied weight borrowed by another chunk ----------------------------------------
+
+def _sync_job(rank, world_size, cases, steps):
+    """DDP-like hooks, then grad_sync_func, on the tied V; returns the problems found, by case."""
+    from megatron_vshape.runtime.chunks import global_named_parameters
+    from megatron_vshape.runtime.executor import get_forward_backward_func
+    from megatron_vshape.testing.tiny_gpt import build_chunks, data_iterators, forward_step, init_parallel
+
+    from ddp_like import DDPLike
+
+    pp, problems, initialised = world_size, {}, False
+    names = lambda chunk: dict(global_named_parameters(chunk))  # noqa: E731 - the chunk's own parameters
+    for case in cases:
+        tiny, name, m, options = case
+        sched = build(name, pp, m, options)
+        placement = sched.placement
+        if not initialised:  # every case is a V
+            init_parallel(1, pp, placement, seed=tiny.seed)
+            initialised = True
+        found = problems.setdefault(case, [])
+        for with_grad_sync in (False, True):
+            chunks = build_chunks(tiny, placement)
+            cfg = chunks[0].config
+            lent = {id(p) for chunk in chunks for p in getattr(chunk, "borrowed_parameters", ())}
+            borrowed = {k for chunk in chunks for k, p in names(chunk).items() if id(p) in lent}
+            if rank == 0 and not borrowed and not with_grad_sync:
+                found.append("chunk 1 lists no borrowed_parameters: the tied weight would not be covered")
+            hooks = DDPLike(chunks, cfg, fusion=True, names=names)
+            synced = []  # (chunk, {name: main_grad when grad_sync_func was called})
+            if with_grad_sync:
+                cfg.grad_sync_func = [
+                    functools.partial(lambda c, params: synced.append(
+                        (c, {k: p.main_grad.clone() for k, p in names(chunks[c]).items()})), c)
+                    for c in range(len(chunks))]
+            fb = get_forward_backward_func(sched, p2p_timeout=120)
+            counts = []
+            for step in range(steps):
+                for chunk in chunks:
+                    for p in chunk.parameters():
+                        p.main_grad.zero_()
+                hooks.fired.clear()
+                synced.clear()
+                fb(forward_step_func=forward_step, model=chunks, num_microbatches=m, seq_length=tiny.seq_length,
+                   micro_batch_size=tiny.micro_batch_size, data_iterator=data_iterators(tiny, step, m, len(chunks)))
+                final = {k: p.main_grad for chunk in chunks for k, p in names(chunk).items()}
+                label = f"{'grad_sync_func' if with_grad_sync else 'no_sync'} step {step}"
+                if hooks.none_grad:
+                    found.append(f"{label}: hooks fired without a gradient: {hooks.none_grad}")
+                last = {}
+                for k, grad in hooks.fired:
+                    last[k] = grad
+                counts.append(sorted((k, sum(f[0] == k for f in hooks.fired)) for k in last))
+                if not with_grad_sync:
+                    # Once each, on the final contribution, except a tied weight: also on its other
+                    # use's last op (embedding B, output-layer W), as megatron-core's golden counts allow.
+                    found += [f"{label}: {k} registered {n} times while sync was on"
+                              for k, n in counts[-1] if n > (2 if k in borrowed else 1)]
+                    if last.keys() != final.keys():
+                        found.append(f"{label}: never registered while sync was on: {sorted(final.keys() - last.keys())}")
+                    found += [f"{label}: last registration of {k} before its gradient was complete"
+                              for k, grad in last.items() if not torch.equal(grad, final[k])]
+                else:
+                    if sorted(c for c, _ in synced) != list(range(len(chunks))):
+                        found.append(f"{label}: grad_sync_func called for chunks {[c for c, _ in synced]}")
+                    found += [f"{label}: grad_sync_func of chunk {c} called before {k}'s gradient was complete"
+                              for c, grads in synced for k, g in grads.items() if not torch.equal(g, final[k])]
+            if len({repr(c) for c in counts}) != 1:
+                found.append(f"{'grad_sync_func' if with_grad_sync else 'no_sync'}: registrations differ between "
+                             f"steps (megatron-core's golden counts need them equal): {counts}")
+    return problems
+
+
+@pytest.mark.parametrize("pp,counts", [(2, [2]), (4, [4])])
+def test_tied_weight_grad_sync_waits_for_the_borrowing_chunk(pp, counts):
+    """The V's tied word embedding belongs to chunk 0 but gets its last contribution in chunk 1's
+    last W (output layer), which can come after chunk 0's last B (the V schedules at m = pp) and
+    even its last W (W deferred to the end in reversed order): chunk 0's no_sync must be lifted
+    then too, and grad_sync_func[0] called only after it.  DDP-like hooks (megatron-core's
+    mechanics): every parameter registers while sync is on, its last registration sees the
+    complete gradient, no hook fires without a gradient, and two steps register the same way."""
+    tied = TinyGPT(num_layers=2 * pp, seq_length=8, tied_embeddings=True)
+    names = (["v-zb", "v-half", "v-min"] if pp == 2 else ["v-zb"]) + ["local/v/split/reversed"]
+    cases = _cases(tied, pp, names=names, counts=counts)
+    jobs = launch(_sync_job, pp, (cases, 2), timeout=300)
+    problems = [f"rank {r} {c[1]} m={c[2]}: {p}" for r, job in enumerate(jobs) for c, ps_ in job.items() for p in ps_]
+    assert not problems, "\n".join(problems)
+    print(f"pp={pp}: {len(cases)} tied V cases x (no_sync, grad_sync_func) x 2 steps, hooks and grad sync complete")

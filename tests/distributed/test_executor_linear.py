@@ -16,6 +16,7 @@ import torch
 from megatron_vshape.integration.launch import launch
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.errors import ConfigError
+from ddp_like import DDPLike
 
 HIDDEN, SEQ, MBS = 8, 4, 2
 
@@ -159,7 +160,7 @@ def _run_case(name, pp, m, options, rank, ddp_like=False):
     cfg = _config()
     chunks = [Stage(cfg, s, pl.num_stages) for s in pl.stages_of(rank)]
     # megatron-core's own (unsplit) backward needs apex's CUDA kernel for gradient_accumulation_fusion.
-    hooks = _DDPLike(chunks, cfg, fusion=sched.split_backward) if ddp_like else None
+    hooks = DDPLike(chunks, cfg, fusion=sched.split_backward, names=_names) if ddp_like else None
     fb = get_forward_backward_func(sched if name.startswith("local/") else name, p2p_timeout=60,
                                    schedule_options=dict(options))
     iters = [iter([_batch(mb) for mb in range(m)]) for _ in chunks]
@@ -170,60 +171,6 @@ def _run_case(name, pp, m, options, rank, ddp_like=False):
     grads = {k: _grad(p) for c in chunks for k, p in _names(c).items()}
     return {"losses": [d["loss"].item() for d in out], "grads": grads,
             "hooks": hooks.report() if hooks else None}
-
-
-class _DDPLike:
-    """The gradient-hook mechanics of megatron-core's DDP (which is CUDA-only), per chunk.
-
-    Hooks on each parameter's gradient accumulator, a `no_sync` context per chunk, main_grad
-    buffers with gradient_accumulation_fusion on the linear layers.  Records, for every hook
-    that fires while sync is on, the parameter and a copy of its accumulated gradient.
-    """
-
-    def __init__(self, chunks, cfg, fusion):
-        self.sync_on = [True] * len(chunks)
-        self.fired = []  # (name, grad copy) while sync was on
-        self.none_grad = []
-        self._keep = []
-        for c, chunk in enumerate(chunks):
-            for mod in chunk.modules():
-                if fusion and hasattr(mod, "gradient_accumulation_fusion"):
-                    mod.gradient_accumulation_fusion = True
-            for name, p in _names(chunk).items():
-                p.main_grad = torch.zeros_like(p)
-                p.grad_added_to_main_grad = False
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                acc.register_hook(self._hook(c, name, p))
-                self._keep.append(acc)
-        cfg.no_sync_func = [functools.partial(self._no_sync, c) for c in range(len(chunks))]
-
-    def _hook(self, c, name, p):
-        def hook(*_):
-            if p.grad is None:
-                self.none_grad.append(name)
-                return
-            if not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad)
-            p.grad = None
-            p.grad_added_to_main_grad = False
-            if self.sync_on[c]:
-                self.fired.append((name, p.main_grad.detach().clone()))
-        return hook
-
-    def _no_sync(self, c):
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            self.sync_on[c] = False
-            try:
-                yield
-            finally:
-                self.sync_on[c] = True
-        return ctx()
-
-    def report(self):
-        return {"fired": self.fired, "none_grad": self.none_grad}
 
 
 def _job(rank, world_size, cases, with_reference):
@@ -323,8 +270,26 @@ def test_grad_hooks_see_each_gradient_once_and_complete():
             assert hooks["none_grad"] == [], f"{case}: hooks fired without a gradient: {hooks['none_grad']}"
             fired = {}
             for name, grad in hooks["fired"]:
+                # No parameter is borrowed here; a tied weight may register twice (test_executor_gpt).
                 assert name not in fired, f"{case}: {name} registered twice while sync was on"
                 fired[name] = grad
             assert fired.keys() == res["grads"].keys(), f"{case}: hooks missing for {res['grads'].keys() - fired.keys()}"
             for name, grad in fired.items():
                 assert torch.equal(grad, res["grads"][name]), f"{case}: {name} hook fired before its gradient was complete"
+
+
+def test_borrowed_parameters_are_found_through_wrappers():
+    """The executor finds a chunk's `borrowed_parameters` under Megatron-style wrappers (each
+    holding the next in `.module`), and none on a chunk without them."""
+    from megatron_vshape.runtime.executor import _borrowed_parameters
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    owner, head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    head.borrowed_parameters = (owner.weight,)
+    found = _borrowed_parameters(Wrapper(Wrapper(head)))
+    assert len(found) == 1 and found[0] is owner.weight
+    assert _borrowed_parameters(Wrapper(owner)) == ()
