@@ -122,6 +122,16 @@ def test_v_min_keeps_up_with_1f1b_on_skewed_costs():
     assert r.makespan <= 1.02 * reference
 
 
+def test_v_min_at_pp16_with_a_costly_hop():
+    """pp=16, costs 2,2,2,0.25: V-Min measured 1.158x 1F1B's makespan at m=64 (1.300x before
+    its fourth plan); a regression past 1.18x fails."""
+    costs = Costs(2, 2, 2, 0.25)
+    _, r = check("v-min", 16, 64, costs)
+    reference = simulate(registry.build("1f1b", 16, 64, costs)).makespan
+    print(f"\nv-min {r.makespan:.2f} vs 1F1B {reference:.2f} ({r.makespan / reference:.3f}x)")
+    assert r.makespan <= 1.18 * reference
+
+
 @pytest.mark.parametrize("name", GENERATORS)
 def test_unknown_option_is_a_config_error(name):
     with pytest.raises(ConfigError, match="unknown option"):
