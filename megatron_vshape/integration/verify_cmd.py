@@ -189,23 +189,6 @@ def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
 
 # ---- report ------------------------------------------------------------------------------------
 
-def predicted_peak_bytes(schedule, stage_bytes) -> list:
-    """Per rank, the simulator's lifespan rule (+F, -end of W/BW) weighted by each stage's bytes."""
-    from ..schedule.ops import F, RELEASE_KINDS
-
-    peaks = []
-    for ops in schedule.ranks:
-        live = peak = 0
-        for op in ops:
-            if op.kind == F:
-                live += stage_bytes[op.stage]
-                peak = max(peak, live)
-            elif op.kind in RELEASE_KINDS:
-                live -= stage_bytes[op.stage]
-        peaks.append(peak)
-    return peaks
-
-
 def summarize(schedule, reference, results, tolerance) -> dict:
     from ..schedule.simulate import peak_activations, peak_vs_1f1b
     from ..testing.tiny_gpt import compare
@@ -231,7 +214,7 @@ def summarize(schedule, reference, results, tolerance) -> dict:
         "stage_activation_bytes": unit,
         "predicted_peak_activations": units,
         "predicted_peak_bytes": [u * unit for u in units],
-        "predicted_peak_bytes_by_stage": predicted_peak_bytes(schedule, stage_bytes),
+        "predicted_peak_bytes_by_stage": peak_activations(schedule, stage_bytes),
         "predicted_peak_vs_1f1b": peak_vs_1f1b(schedule, units),
     })
     out["ok"] = bool(diffs["max_abs_loss_diff"] <= tolerance and diffs["max_rel_grad_diff"] <= tolerance)

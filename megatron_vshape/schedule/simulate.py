@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .comm import ACT, input_message, is_remote, local_predecessor
 from .ops import B, BW, F, OP_KINDS, RELEASE_KINDS, W, Op, Schedule
@@ -84,20 +84,21 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
     return timeline
 
 
-def peak_activations(schedule: Schedule) -> List[int]:
+def peak_activations(schedule: Schedule, stage_weight: Optional[Mapping[int, float]] = None) -> List[float]:
     """Per rank, the most stage-activations alive at once (+1 at F, -1 when W or BW ends).
 
-    A rank runs its ops one after another, so list order is time order.
+    A rank runs its ops one after another, so list order is time order.  `stage_weight[s]`
+    (e.g. the measured bytes of one activation of stage s) weighs each stage instead of 1.
     """
     peaks = []
     for ops in schedule.ranks:
         live = peak = 0
         for op in ops:
             if op.kind == F:
-                live += 1
+                live += 1 if stage_weight is None else stage_weight[op.stage]
                 peak = max(peak, live)
             elif op.kind in RELEASE_KINDS:
-                live -= 1
+                live -= 1 if stage_weight is None else stage_weight[op.stage]
         peaks.append(peak)
     return peaks
 
