@@ -1,0 +1,319 @@
+"""`--pipeline-schedule` and its options, and their validation before any process group exists.
+
+Shared by the training driver (`integration/train.py`) and the Megatron-LM hook, which both call
+them on a parser that already holds Megatron-LM's flags:
+
+    add_pipeline_arguments(parser)        # adds only --pipeline-* options
+    plan = validate_pipeline_args(args)   # a Namespace with Megatron-LM attribute names
+
+`validate_pipeline_args` reads Megatron-LM's attribute names (num_layers,
+pipeline_model_parallel_size, tensor_model_parallel_size, context_parallel_size,
+micro_batch_size, global_batch_size, data_parallel_size or world_size,
+virtual_pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage,
+microbatch_group_size_per_vp_stage, decoder_first/last_pipeline_num_layers,
+account_for_embedding/loss_in_pipeline_split, pipeline_model_parallel_layout, transformer_impl,
+mtp_num_layers, ...; a missing one counts as unset), builds the schedule exactly as every rank
+will, and raises ConfigError naming the value and the fix.  It imports no torch and changes
+nothing in `args`; the caller applies `PipelinePlan.virtual_pipeline_model_parallel_size`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..schedule import registry
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Costs, Schedule
+
+AUTO = "auto"
+# Transformer Engine release whose layers can defer their weight gradient (delay_wgrad_compute).
+TE_MIN_FOR_SPLIT = (2, 3)
+LAYER_SPLIT_FLAGS = (
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+)
+
+
+def fastest_within_available():
+    """The planner's `fastest_within(pp, microbatches, costs, memory_budget, stage_costs=None)`, or None."""
+    try:
+        from ..schedule.search import fastest_within
+    except ImportError:
+        return None
+    return fastest_within
+
+
+def schedule_choices():
+    names = registry.names()
+    return names + [AUTO] if fastest_within_available() is not None and AUTO not in names else names
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the --pipeline-* options (only these: Megatron-LM's own flags stay Megatron's)."""
+    g = parser.add_argument_group("megatron_vshape pipeline schedule")
+    choices = schedule_choices()
+    g.add_argument("--pipeline-schedule", default=None, choices=choices, metavar="NAME",
+                   help=f"pipeline schedule to run: {', '.join(choices)} (default: Megatron's own)")
+    g.add_argument("--pipeline-costs", default=None, metavar="F,B,W[,C]",
+                   help="measured times of one forward, input-gradient backward and weight-gradient backward of "
+                        "one microbatch over one rank's share of the model, and of one p2p hop (C); schedules that "
+                        "plan with costs (zb-h2, the V family, auto) use them (default 1,1,1,0)")
+    g.add_argument("--pipeline-memory-budget", type=float, default=None, metavar="X",
+                   help="activation memory cap per rank relative to 1F1B's rank 0 (1.0 = 1F1B); with "
+                        "--pipeline-schedule auto the fastest schedule whose peak fits is chosen")
+    g.add_argument("--pipeline-replan-after", type=int, default=None, metavar="N",
+                   help="at iteration N, re-plan the schedule from the op times measured so far")
+    g.add_argument("--pipeline-p2p-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds a pipeline receive may wait before an error naming the rank, op and peer")
+    return parser
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What validation decided: the schedule every rank will build, and the sizes it was built for."""
+
+    name: str
+    schedule: Schedule = field(repr=False)
+    pp: int
+    data_parallel_size: int
+    num_microbatches: int
+    costs: Costs
+    options: dict = field(default_factory=dict)  # generator options (chunks, group)
+    reason: Optional[str] = None  # why `auto` chose this schedule
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
+        chunks = self.schedule.placement.chunks
+        return chunks if chunks > 1 else None
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def data_parallel_size(args) -> int:
+    """DP size from args.data_parallel_size, or world size / (tp * pp * cp) as Megatron computes it."""
+    tp, pp, cp = (_get(args, n, 1) for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                              "context_parallel_size"))
+    dp = getattr(args, "data_parallel_size", None)
+    if dp:
+        return dp
+    world = _get(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", tp * pp * cp))
+    if world % (tp * pp * cp):
+        raise ConfigError(f"world size {world} is not divisible by tensor x pipeline x context parallel size "
+                          f"{tp}x{pp}x{cp}={tp * pp * cp}; launch a multiple of {tp * pp * cp} processes")
+    return world // (tp * pp * cp)
+
+
+def num_microbatches(args, dp: int) -> int:
+    mbs = _get(args, "micro_batch_size", 1)
+    gbs = _get(args, "global_batch_size", mbs * dp)
+    if mbs < 1 or gbs < 1:
+        raise ConfigError(f"--micro-batch-size={mbs} and --global-batch-size={gbs} must be >= 1")
+    if gbs % (mbs * dp):
+        fix = (gbs // (mbs * dp) + 1) * mbs * dp
+        raise ConfigError(f"--global-batch-size={gbs} is not divisible by --micro-batch-size={mbs} x data-parallel "
+                          f"size {dp}; use --global-batch-size={fix}")
+    return gbs // (mbs * dp)
+
+
+def _vp_size(args, pp: int) -> Optional[int]:
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if vp is None and per_stage:
+        layers = _get(args, "num_layers", 0)
+        if layers % (per_stage * pp):
+            raise ConfigError(f"--num-layers={layers} is not divisible by --num-layers-per-virtual-pipeline-stage="
+                              f"{per_stage} x pp={pp}")
+        vp = layers // (per_stage * pp)
+    return vp
+
+
+def _generator_options(name: str, args, pp: int) -> dict:
+    """Generator options from Megatron's virtual-pipeline flags (1f1b-interleaved's chunks and group)."""
+    if name != "1f1b-interleaved":
+        return {}
+    options = {"chunks": _vp_size(args, pp) or 2}
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if group:
+        options["group"] = group
+    return options
+
+
+def _check_virtual_pipeline(args, name: str, schedule: Schedule) -> None:
+    """Megatron's virtual-pipeline flags must agree with the schedule's placement."""
+    placement = schedule.placement
+    vp, want = _vp_size(args, placement.pp), (placement.chunks if placement.chunks > 1 else None)
+    if vp not in (None, want) and not (vp == 1 and want is None):
+        fix = ("leave it unset or 2 (the V holds two stages per rank)" if placement.kind == "v"
+               else "leave it unset, or use --pipeline-schedule 1f1b-interleaved")
+        raise ConfigError(f"--pipeline-schedule {name} holds {placement.chunks} stage(s) per rank but the virtual "
+                          f"pipeline size is {vp}; {fix}")
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if group and name != "1f1b-interleaved":
+        raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage={group} applies to 1f1b-interleaved "
+                          f"only; unset it for --pipeline-schedule {name}")
+
+
+def _costs(args) -> Costs:
+    text = getattr(args, "pipeline_costs", None)
+    if text is None:
+        return Costs()
+    return text if isinstance(text, Costs) else Costs.parse(text)
+
+
+def _check_layers(args, name: str, schedule: Schedule) -> None:
+    placement = schedule.placement
+    layers, stages = _get(args, "num_layers", 0), placement.num_stages
+    if layers < 1:
+        raise ConfigError(f"--num-layers={layers} must be >= 1")
+    split = {flag: getattr(args, attr) for attr, flag in LAYER_SPLIT_FLAGS if getattr(args, attr, None)}
+    if placement.kind == "v" and split:
+        raise ConfigError(
+            f"--pipeline-schedule {name} does not take {', '.join(f'{k}={v}' for k, v in split.items())}: "
+            f"the V fixes the layer layout itself (rank r holds stages r and {2 * placement.pp - 1}-r, "
+            f"num_layers/(2*pp) layers each, embedding and loss both on rank 0), and uneven V stages are not "
+            f"implemented; unset these flags")
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    if split and not getattr(args, "pipeline_model_parallel_layout", None):
+        rest, inner = layers - (first or 0) - (last or 0), stages - bool(first) - bool(last)
+        inner_layers = rest + bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) \
+            + bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+        if rest < 0 or (inner and inner_layers % inner) or (not inner and rest):
+            raise ConfigError(f"--num-layers={layers} with {', '.join(f'{k}={v}' for k, v in split.items())} leaves "
+                              f"{inner_layers} layers for {inner} middle stage(s) of {name}; they must divide evenly")
+        return
+    if not split and layers % stages:
+        what = f"2*pp={stages}" if placement.kind == "v" else \
+            f"the {stages} stages of {name}" if placement.chunks > 1 else f"pp={stages}"
+        raise ConfigError(f"--num-layers={layers} is not divisible by {what}; use "
+                          f"--num-layers={(layers // stages + 1) * stages}")
+
+
+def _check_options_the_runtime_refuses(args, name: str, schedule: Schedule) -> None:
+    if _get(args, "mtp_num_layers", 0):
+        raise ConfigError(f"--mtp-num-layers={args.mtp_num_layers} (multi-token prediction) is not supported with "
+                          f"--pipeline-schedule {name}; unset it")
+    if getattr(args, "defer_embedding_wgrad_compute", False):
+        raise ConfigError(f"--defer-embedding-wgrad-compute is not supported with --pipeline-schedule {name}: "
+                          "zero-bubble schedules defer the output layer's weight gradient to W themselves; unset it")
+    if getattr(args, "variable_seq_lengths", False):
+        raise ConfigError(f"variable sequence lengths are not supported with --pipeline-schedule {name}; "
+                          "use a fixed --seq-length")
+    impl = getattr(args, "transformer_impl", None)
+    if impl == "transformer_engine" and schedule.split_backward:
+        version = _te_version()
+        if version is None:
+            raise ConfigError(f"--transformer-impl transformer_engine but Transformer Engine is not installed; "
+                              f"install transformer-engine>={'.'.join(map(str, TE_MIN_FOR_SPLIT))} or pass "
+                              f"--transformer-impl local")
+        if version < TE_MIN_FOR_SPLIT:
+            raise ConfigError(f"--pipeline-schedule {name} splits the backward into B and W, which Transformer Engine "
+                              f"supports from {'.'.join(map(str, TE_MIN_FOR_SPLIT))} (delay_wgrad_compute); found "
+                              f"{'.'.join(map(str, version))}: upgrade it, pass --transformer-impl local, or use a "
+                              f"schedule without W (1f1b, 1f1b-interleaved)")
+
+
+def _te_version():
+    """(major, minor) of the installed Transformer Engine, or None; reads package metadata, imports nothing."""
+    from importlib import metadata
+
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            text = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:2]]
+        return tuple(parts + [0] * (2 - len(parts)))
+    return None
+
+
+def _check_runtime_options(args) -> None:
+    timeout = _get(args, "pipeline_p2p_timeout", 300.0)
+    if not timeout > 0:
+        raise ConfigError(f"--pipeline-p2p-timeout={timeout} must be > 0 seconds")
+    budget = getattr(args, "pipeline_memory_budget", None)
+    if budget is not None and not budget > 0:
+        raise ConfigError(f"--pipeline-memory-budget={budget} must be > 0 (1.0 = 1F1B's activation memory)")
+    after = getattr(args, "pipeline_replan_after", None)
+    if after is not None:
+        if after < 1:
+            raise ConfigError(f"--pipeline-replan-after={after} must be an iteration >= 1")
+        if not replan_available():
+            raise ConfigError(f"--pipeline-replan-after={after}: re-planning from measured op times is not available "
+                              "in this version (the executor has no replan()); unset it")
+
+
+def replan_available() -> bool:
+    """Whether the executor can re-plan its schedule during a run (imports the runtime: torch)."""
+    try:
+        from ..runtime import executor
+    except ImportError:
+        return False
+    return callable(getattr(executor._Executor, "replan", None))
+
+
+def _choose_auto(args, pp: int, m: int, costs: Costs):
+    fastest_within = fastest_within_available()
+    if fastest_within is None:
+        raise ConfigError("--pipeline-schedule auto is not available in this version; name a schedule")
+    budget = getattr(args, "pipeline_memory_budget", None)
+    if budget is None:
+        raise ConfigError("--pipeline-schedule auto needs --pipeline-memory-budget X (activation memory per rank "
+                          "relative to 1F1B, e.g. 0.5)")
+    return fastest_within(pp, m, costs, budget)
+
+
+def validate_pipeline_args(args) -> Optional[PipelinePlan]:
+    """Check the pipeline options against Megatron's sizes; the plan every rank will run, or None
+    when --pipeline-schedule is unset.  Raises ConfigError before any process group exists."""
+    name = getattr(args, "pipeline_schedule", None)
+    _check_runtime_options(args)
+    if name is None:
+        return None
+    pp = _get(args, "pipeline_model_parallel_size", 1)
+    if pp < 2:
+        raise ConfigError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2, got {pp}; "
+                          "without pipelining no schedule applies (unset --pipeline-schedule)")
+    dp = data_parallel_size(args)
+    m = num_microbatches(args, dp)
+    costs = _costs(args)
+    reason = None
+    if name == AUTO:
+        chosen = _choose_auto(args, pp, m, costs)
+        schedule, reason = _chosen_schedule(chosen)
+        name = schedule.name
+        options = {}
+    else:
+        options = _generator_options(name, args, pp)
+        try:
+            schedule = registry.build(name, pp, m, costs, **options)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (--global-batch-size={_get(args, 'global_batch_size', m * dp)} / "
+                              f"(--micro-batch-size={_get(args, 'micro_batch_size', 1)} x data-parallel {dp}) = "
+                              f"{m} microbatches); raise --global-batch-size or pick another schedule") from None
+    _check_virtual_pipeline(args, name, schedule)
+    _check_layers(args, name, schedule)
+    _check_options_the_runtime_refuses(args, name, schedule)
+    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason)
+
+
+def _chosen_schedule(chosen):
+    """(schedule, reason) from whatever fastest_within returns: a Schedule, or (Schedule, reason), or an
+    object with .schedule and .reason."""
+    if isinstance(chosen, Schedule):
+        return chosen, None
+    if isinstance(chosen, tuple):
+        return chosen[0], (chosen[1] if len(chosen) > 1 else None)
+    return chosen.schedule, getattr(chosen, "reason", None)

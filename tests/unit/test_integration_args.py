@@ -1,0 +1,94 @@
+"""--pipeline-schedule's options on a parser, and their validation against Megatron-LM's sizes
+before any process group exists (a plain Namespace with Megatron-LM attribute names)."""
+import argparse
+
+import pytest
+
+from megatron_vshape.integration.args import add_pipeline_arguments, validate_pipeline_args
+from megatron_vshape.schedule import registry
+from megatron_vshape.schedule.errors import ConfigError
+
+
+def _args(*argv, **megatron):
+    parser = add_pipeline_arguments(argparse.ArgumentParser())
+    ns = parser.parse_args(list(argv))
+    sizes = dict(num_layers=8, pipeline_model_parallel_size=4, tensor_model_parallel_size=1, micro_batch_size=1,
+                 global_batch_size=8, world_size=4, transformer_impl="local")
+    sizes.update(megatron)
+    for k, v in sizes.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_every_registered_schedule_is_a_choice_and_builds_for_megatron_sizes():
+    for name in registry.names():
+        plan = validate_pipeline_args(_args("--pipeline-schedule", name))
+        assert plan.name == name and plan.num_microbatches == 8 and plan.data_parallel_size == 1
+        assert plan.schedule.pp == 4 and plan.schedule.microbatches == 8
+        want_vp = plan.schedule.placement.chunks if plan.schedule.placement.chunks > 1 else None
+        assert plan.virtual_pipeline_model_parallel_size == want_vp
+
+
+def test_unset_schedule_is_megatrons_own():
+    assert validate_pipeline_args(_args()) is None
+
+
+def test_microbatches_count_data_parallel_replicas():
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "v-half", world_size=8, global_batch_size=16,
+                                        micro_batch_size=2))
+    assert (plan.data_parallel_size, plan.num_microbatches) == (2, 4)
+
+
+def test_interleaved_takes_megatrons_virtual_pipeline_flags():
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "1f1b-interleaved", num_layers=12,
+                                        num_layers_per_virtual_pipeline_stage=1))
+    assert plan.schedule.placement.chunks == 3 and plan.options == {"chunks": 3}
+
+
+@pytest.mark.parametrize("argv, sizes, words", [
+    (["--pipeline-schedule", "v-half"], dict(num_layers=6), ["--num-layers=6", "2*pp=8", "--num-layers=8"]),
+    (["--pipeline-schedule", "1f1b"], dict(num_layers=6), ["--num-layers=6", "pp=4", "--num-layers=8"]),
+    (["--pipeline-schedule", "v-min"], dict(global_batch_size=6, micro_batch_size=4),
+     ["--global-batch-size=6", "--global-batch-size=8"]),
+    (["--pipeline-schedule", "1f1b-interleaved"], dict(global_batch_size=2),
+     ["microbatches=2", "--global-batch-size=2", "raise --global-batch-size"]),
+    (["--pipeline-schedule", "v-zb"], dict(decoder_first_pipeline_num_layers=1),
+     ["--decoder-first-pipeline-num-layers=1", "V fixes the layer layout", "unset"]),
+    (["--pipeline-schedule", "v-half"], dict(account_for_loss_in_pipeline_split=True),
+     ["--account-for-loss-in-pipeline-split=True", "unset"]),
+    (["--pipeline-schedule", "v-half"], dict(pipeline_model_parallel_layout="Et|t|tL"),
+     ["--pipeline-model-parallel-layout=Et|t|tL"]),
+    (["--pipeline-schedule", "v-half"], dict(virtual_pipeline_model_parallel_size=4), ["virtual pipeline size is 4"]),
+    (["--pipeline-schedule", "zb-h1"], dict(virtual_pipeline_model_parallel_size=2), ["1f1b-interleaved"]),
+    (["--pipeline-schedule", "v-half"], dict(mtp_num_layers=1), ["--mtp-num-layers=1"]),
+    (["--pipeline-schedule", "v-half"], dict(pipeline_model_parallel_size=1, world_size=1), ["pipeline-model-parallel-size >= 2"]),
+    (["--pipeline-schedule", "v-half"], dict(world_size=6), ["world size 6", "multiple of 4"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-p2p-timeout", "0"], {}, ["--pipeline-p2p-timeout=0"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-memory-budget", "-1"], {}, ["--pipeline-memory-budget=-1"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-costs", "1,x,1"], {}, ["1,x,1"]),
+])
+def test_bad_combinations_name_the_value_and_the_fix(argv, sizes, words):
+    with pytest.raises(ConfigError) as e:
+        validate_pipeline_args(_args(*argv, **sizes))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_transformer_engine_is_checked_where_the_schedule_splits_the_backward(monkeypatch):
+    from megatron_vshape.integration import args as mod
+
+    monkeypatch.setattr(mod, "_te_version", lambda: (2, 1))
+    with pytest.raises(ConfigError, match="from 2.3"):
+        validate_pipeline_args(_args("--pipeline-schedule", "v-half", transformer_impl="transformer_engine"))
+    # 1F1B has no W: any TE will do
+    assert validate_pipeline_args(_args("--pipeline-schedule", "1f1b", transformer_impl="transformer_engine"))
+    monkeypatch.setattr(mod, "_te_version", lambda: (2, 3))
+    assert validate_pipeline_args(_args("--pipeline-schedule", "v-half", transformer_impl="transformer_engine"))
+
+
+def test_non_v_layer_split_follows_megatrons_rule():
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=8,
+                                        decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=2))
+    assert plan.name == "1f1b"
+    with pytest.raises(ConfigError, match="divide evenly"):
+        validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=9, decoder_first_pipeline_num_layers=2))
