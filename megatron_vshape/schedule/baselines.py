@@ -12,7 +12,6 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
-from .registry import register
 from .verify import verify
 
 
@@ -21,7 +20,6 @@ def _single(name: str, pp: int, microbatches: int, costs: Costs, ranks: List[Lis
     return verify(schedule)
 
 
-@register("1f1b")
 def one_f_one_b(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """Megatron's 1F1B: rank r runs min(p-1-r, m) warm-up forwards, then one forward and one
     combined backward in turn, then the remaining backwards."""
@@ -51,7 +49,6 @@ def megatron_interleaved_table(microbatches: int, chunks: int, group: int) -> Li
     return table
 
 
-@register("1f1b-interleaved")
 def interleaved_1f1b(
     pp: int, microbatches: int, costs: Costs = Costs(), chunks: int = 2, group: Optional[int] = None, **options
 ) -> Schedule:
@@ -104,7 +101,6 @@ def interleaved_1f1b(
     return verify(schedule)
 
 
-@register("zb-h1")
 def zb_h1(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """ZB-H1: 1F1B's F/B order with each W delayed so the tail bubbles fill with W's.
 
@@ -129,7 +125,6 @@ def zb_h1(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Sche
     return _single("zb-h1", pp, m, costs, ranks)
 
 
-@register("zb-h2")
 def zb_h2(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """ZB-H2: up to twice 1F1B's activations buy a pipeline without a start-up idle.
 

@@ -18,6 +18,7 @@ from typing import List, Optional
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule
 from .simulate import SimResult, simulate
+from .stage_costs import parse as parse_stage_costs
 from .verify import verify
 
 FORMATS = ("json", "torch-csv")
@@ -33,6 +34,10 @@ def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
     with the figures of one simulation."""
     sim = simulate(schedule) if sim is None else sim
     extra = {"forward_only": True} if schedule.meta.get("forward_only") else {}
+    if schedule.stage_costs is not None:
+        extra["stage_costs"] = [c.to_dict() for c in schedule.stage_costs]
+    if schedule.memory_budget is not None:
+        extra["memory_budget"] = schedule.memory_budget
     return {
         "schedule": schedule.name,
         "pp": schedule.pp,
@@ -61,7 +66,11 @@ def from_dict(data: dict) -> Schedule:
         costs = Costs(**{k: float(v) for k, v in data.get("costs", {}).items()})
         forward_only = data.get("forward_only", False) is True
         meta = {"forward_only": True} if forward_only else {}
-        schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks, meta)
+        stage_costs = None if data.get("stage_costs") is None else parse_stage_costs(data["stage_costs"], "stage_costs")
+        budget = data.get("memory_budget")
+        budget = None if budget is None else float(budget)
+        schedule = Schedule(str(data["schedule"]), Placement(kind, pp, chunks), int(data["microbatches"]), costs, ranks, meta,
+                            stage_costs, budget)
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # any malformed field
         if isinstance(exc, ConfigError):
             raise

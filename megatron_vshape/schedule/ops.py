@@ -1,11 +1,25 @@
-"""The op model: ops, placements, costs and schedules. Pure Python, no torch."""
+"""The op model: ops, placements, costs and schedules. Pure Python, no torch.
+
+Costs and memory, the API every generator, the simulator, the search and the solver share:
+  * `Costs(F, B, W, C)`: equal stages.  Generators take them per rank (as users give them)
+    and store them per stage on the Schedule (`costs.per_stage(chunks)`).
+  * `StageCost(F, B, W, size)`: one stage's op times as simulated, and its activation size
+    relative to a plain layer stage.  `stage_table(costs, S, stage_costs)` gives all S of
+    them (equal stages when `stage_costs` is None); `stage_costs.load/parse/fit` read the
+    `--stage-costs` file and fit it to a schedule's stage count.
+  * `Schedule.duration(kind, stage)`, `Schedule.size(stage)`, `Schedule.stage_table()`:
+    the one way to ask what an op costs and how big a stage's activation is.
+  * `Schedule.memory_budget`: the peak_vs_1f1b cap it was made under (verify checks it);
+    `simulate.peak_activations` weighs stages by size; `peak_vs_1f1b` keeps 1F1B's rank 0
+    with plain stages as 1.0.
+"""
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
@@ -144,11 +158,52 @@ class Costs:
         return {"F": self.F, "B": self.B, "W": self.W, "C": self.C}
 
 
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's op times for one microbatch, as simulated (not per rank), and the size of
+    its activation relative to a plain layer stage of the same schedule (1.0: as many layers
+    as the other stages, nothing extra; the embedding or the output layer with the loss can
+    make it larger)."""
+
+    F: float
+    B: float
+    W: float
+    size: float = 1.0
+
+    def __post_init__(self):
+        for name in ("F", "B", "W", "size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"stage cost {name}={value!r} must be a finite number >= 0")
+
+    def of(self, kind: str) -> float:
+        return self.B + self.W if kind == BW else getattr(self, kind)
+
+    def to_dict(self) -> dict:
+        return {"F": self.F, "B": self.B, "W": self.W, "size": self.size}
+
+
+def stage_table(costs: Costs, num_stages: int, stage_costs: Optional[Sequence[StageCost]] = None) -> Tuple[StageCost, ...]:
+    """Every stage's StageCost: `stage_costs` when given, else `costs` (per stage) with size 1.
+    The one place that decides what an op on a stage costs; simulator, generators and the
+    search all read durations and sizes through it (or Schedule.stage_cost, which uses it)."""
+    if stage_costs is None:
+        return (StageCost(costs.F, costs.B, costs.W, 1.0),) * num_stages
+    if len(stage_costs) != num_stages:
+        raise ConfigError(f"{len(stage_costs)} stage costs for {num_stages} stages; give one entry per stage")
+    return tuple(stage_costs)
+
+
 @dataclass
 class Schedule:
     """Per-rank op lists in execution order (compute ops only; communication is derived).
 
-    `costs` are per stage, as simulated (the user's per-rank costs divided by chunks).
+    `costs` are per stage, as simulated (the user's per-rank costs divided by chunks); C is
+    the hop latency.  `stage_costs`, when set, overrides F, B, W per stage and gives each
+    stage's activation size (unequal stages); `costs` then stays the equal-stage value.
+    `memory_budget`, when set, is the peak_vs_1f1b cap the schedule was made under; the
+    verifier checks that no rank exceeds it.  Read op times and sizes through
+    `duration(kind, stage)` and `size(stage)` (or `stage_table()` for all stages at once).
     """
 
     name: str
@@ -157,6 +212,26 @@ class Schedule:
     costs: Costs
     ranks: List[List[Op]]
     meta: Dict[str, object] = field(default_factory=dict)
+    stage_costs: Optional[Tuple[StageCost, ...]] = None
+    memory_budget: Optional[float] = None
+
+    def __post_init__(self):
+        if self.stage_costs is not None:
+            self.stage_costs = stage_table(self.costs, self.placement.num_stages, tuple(self.stage_costs))
+
+    def stage_table(self) -> Tuple[StageCost, ...]:
+        return stage_table(self.costs, self.placement.num_stages, self.stage_costs)
+
+    def stage_cost(self, stage: int) -> StageCost:
+        return self.stage_table()[stage]
+
+    def duration(self, kind: str, stage: int) -> float:
+        """Time of one op of `kind` on `stage` for one microbatch."""
+        return self.costs.of(kind) if self.stage_costs is None else self.stage_costs[stage].of(kind)
+
+    def size(self, stage: int) -> float:
+        """Activation size of `stage` relative to a plain layer stage (1 when stages are equal)."""
+        return 1 if self.stage_costs is None else self.stage_costs[stage].size
 
     @property
     def pp(self) -> int:

@@ -53,7 +53,8 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
     waiters: Dict[Key, List[int]] = {}
     queue = deque(range(pp))
     inputs = _input_table(schedule)
-    kind_cost = {k: costs.of(k) for k in (F, B, W, BW)}
+    table = schedule.stage_table()
+    kind_cost = {(k, st): table[st].of(k) for k in (F, B, W, BW) for st in range(schedule.num_stages)}
     while queue:
         r = queue.popleft()
         ops = schedule.ranks[r]
@@ -69,7 +70,7 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
             if blocked is not None:
                 waiters.setdefault(blocked, []).append(r)
                 break
-            finish = start + kind_cost[op.kind]
+            finish = start + kind_cost[(op.kind, op.stage)]
             key = _key(op)
             if key in end:
                 raise Deadlock(f"rank {r}: {op} runs a second time")
@@ -87,9 +88,12 @@ def run_lists(schedule: Schedule) -> List[List[Tuple[Op, float, float]]]:
 def peak_activations(schedule: Schedule, stage_weight: Optional[Mapping[int, float]] = None) -> List[float]:
     """Per rank, the most stage-activations alive at once (+1 at F, -1 when W or BW ends).
 
-    A rank runs its ops one after another, so list order is time order.  `stage_weight[s]`
-    (e.g. the measured bytes of one activation of stage s) weighs each stage instead of 1.
+    A rank runs its ops one after another, so list order is time order.  Each stage counts
+    with its size (Schedule.size: 1 unless the schedule has unequal stage costs), or with
+    `stage_weight[s]` when given (e.g. the measured bytes of one activation of stage s).
     """
+    if stage_weight is None and schedule.stage_costs is not None:
+        stage_weight = [schedule.size(s) for s in range(schedule.num_stages)]
     peaks = []
     for ops in schedule.ranks:
         live = peak = 0
@@ -109,7 +113,7 @@ def one_f_one_b_peak(pp: int, microbatches: int) -> int:
 
 
 def peak_vs_1f1b(schedule: Schedule, peaks: Optional[List[int]] = None) -> List[float]:
-    """Peak activations scaled by layers per stage so that 1F1B's rank 0 is 1.0."""
+    """Peak activations scaled by layers per stage so that 1F1B's rank 0 (plain stages) is 1.0."""
     peaks = peak_activations(schedule) if peaks is None else peaks
     ref = one_f_one_b_peak(schedule.pp, schedule.microbatches) * schedule.placement.chunks
     return [p / ref for p in peaks]
@@ -122,7 +126,7 @@ class SimResult:
     busy: List[float]
     bubble_rate: float
     span_bubble_rate: float
-    peak_activations: List[int]
+    peak_activations: List[float]  # ints when stages are equal
     peak_vs_1f1b: List[float]
 
     def to_dict(self) -> dict:

@@ -7,7 +7,10 @@ from typing import List
 from .errors import ConfigError
 from .comm import local_predecessor
 from .ops import B, BW, F, OP_KINDS, W, Op, Schedule
-from .simulate import Deadlock, run_lists
+from .simulate import Deadlock, peak_vs_1f1b, run_lists
+
+# Slack for float sums of stage sizes when checking a memory budget.
+BUDGET_EPS = 1e-9
 
 
 class InvalidSchedule(ConfigError):
@@ -60,6 +63,10 @@ def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
         run_lists(schedule)
     except Deadlock as exc:
         out.append(f"deadlock under the matching rule: {exc}")
+    if schedule.memory_budget is not None and not forward_only:
+        for rank, peak in enumerate(peak_vs_1f1b(schedule)):
+            if peak > schedule.memory_budget + BUDGET_EPS:
+                out.append(f"rank {rank}: peak activations {peak:.4g} of 1F1B exceed the memory budget {schedule.memory_budget:g}")
     return out
 
 
@@ -78,4 +85,5 @@ def forward_only_view(schedule: Schedule) -> Schedule:
     meta["forward_only"] marks it, so an export of it reads back as forward-only."""
     ranks = [[op for op in ops if op.kind == F] for ops in schedule.ranks]
     meta = {**schedule.meta, "forward_only": True}
-    return Schedule(schedule.name, schedule.placement, schedule.microbatches, schedule.costs, ranks, meta)
+    return Schedule(schedule.name, schedule.placement, schedule.microbatches, schedule.costs, ranks, meta,
+                    schedule.stage_costs, schedule.memory_budget)

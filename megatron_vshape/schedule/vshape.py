@@ -21,7 +21,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
-from .registry import register
 from .simulate import one_f_one_b_peak
 from .verify import verify
 
@@ -176,19 +175,16 @@ def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per
     return verify(_search(name, pp, microbatches, costs, caps_of, PLANS[name]))
 
 
-@register("v-min")
 def v_min(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 of p microbatches)."""
     return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3, options)
 
 
-@register("v-half")
 def v_half(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-Half: about half of 1F1B's activation memory ((p+2)//2 of p microbatches)."""
     return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2, options)
 
 
-@register("v-zb")
 def v_zb(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
     """V-ZB: 1F1B's activation memory, almost no bubble."""
     return _generate("v-zb", pp, microbatches, costs, pp, options)
