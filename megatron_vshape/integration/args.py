@@ -129,6 +129,7 @@ def num_microbatches(args, dp: int) -> int:
 
 def _vp_size(args, pp: int) -> Optional[int]:
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vp = vp or getattr(args, "num_virtual_stages_per_pipeline_rank", None)  # Megatron-LM sets vp from it later
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if vp is None and per_stage:
         layers = _get(args, "num_layers", 0)

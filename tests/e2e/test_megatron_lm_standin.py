@@ -1,0 +1,62 @@
+"""`python -m megatron_vshape.launch pretrain_gpt.py ... --pipeline-schedule NAME` against a stand-in for
+Megatron-LM's pretrain_gpt.py and megatron.training (same hook points, megatron-core only: CI has no
+Megatron-LM checkout).  The schedule must really run: losses equal the non-pipelined model's."""
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lm_runs import REPO, STANDIN, losses, reference_losses, run_launcher
+from megatron_vshape.testing.tiny_gpt import TinyGPT
+
+TINY = TinyGPT(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2,
+               tied_embeddings=True)
+M, ITERS, LR = 4, 3, 0.1
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", str(2 * M),
+         "--train-iters", str(ITERS), "--lr", str(LR)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_losses(TINY, M, ITERS, LR)
+
+
+@pytest.mark.timeout(240)
+def test_v_half_tied_pp2_trains_like_the_unpipelined_model(reference):
+    run = run_launcher(STANDIN, MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"],
+                       nproc=2, timeout=200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "megatron_vshape: pipeline schedule v-half: pp=2, v placement, 2 chunk(s) per rank, 4 microbatches" in run.stdout
+    assert "forward-backward function: forward_backward_v-half" in run.stdout
+    got = losses(run.stdout)
+    assert len(got) == ITERS, run.stdout[-3000:]
+    # Three SGD steps: a wrong gradient anywhere (the tied weight shared by both V ends included)
+    # changes the later losses.  float32 sums of the loss dicts: agree to rounding.
+    assert got == pytest.approx(reference, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_layer_count_the_v_cannot_split_exits_2_before_any_process_group():
+    args = [a if a != "4" or i != 1 else "6" for i, a in enumerate(MODEL)]  # --num-layers 6
+    # WORLD_SIZE=2 without torchrun and without MASTER_ADDR: creating a process group would fail differently.
+    run = run_launcher(STANDIN, args + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-min"],
+                       nproc=0, timeout=100, env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
+    assert "megatron_vshape: error: --num-layers=6 is not divisible by 2*pp=4; use --num-layers=8" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_launcher_without_a_script_says_how_to_call_it():
+    run = subprocess.run([sys.executable, "-m", "megatron_vshape.launch", "no_such_script.py"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "no_such_script.py is not a file" in run.stderr
+
+
+def test_importing_the_package_loads_neither_torch_nor_megatron():
+    code = ("import sys, megatron_vshape; assert callable(megatron_vshape.install); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
