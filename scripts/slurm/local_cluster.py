@@ -90,8 +90,10 @@ class LocalCluster:
         """The environment every Slurm command needs: SLURM_CONF pointing at our config."""
         return dict(os.environ, SLURM_CONF=str(self.conf))
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, check=check, timeout=timeout)
+    def run(self, *cmd: str, check: bool = True, timeout: float = 30, env=None) -> subprocess.CompletedProcess:
+        """A Slurm command under our SLURM_CONF (`env`: the whole environment, SLURM_CONF included)."""
+        return subprocess.run(list(cmd), env=env or self.env, capture_output=True, text=True, check=check,
+                              timeout=timeout)
 
     # ---------------------------------------------------------------- start
     def _write_config(self) -> None:
@@ -219,6 +221,26 @@ PartitionName=local Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                     p.kill()
                     p.wait(timeout=5)
         self.procs.clear()
+        for pid in self.leftovers():  # job steps that outlived their daemon
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def leftovers(self) -> List[int]:
+        """Processes of this cluster still alive: they carry our SLURM_CONF (daemons pass it on to
+        slurmstepd and every job process), which no other process on the machine has."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+        return found
 
     def logs(self, lines: int = 15) -> str:
         parts = []
