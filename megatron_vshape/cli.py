@@ -1,8 +1,10 @@
 """`megatron-vshape`: plan, compare and export pipeline schedules (no torch needed).
 
 Each subcommand is one function taking the parsed arguments and returning an exit code;
-main() only parses and dispatches.  Configuration mistakes print one line on stderr and
-exit with code 2; a file that cannot be written does the same with code 1.
+main() only parses and dispatches.  Every error is one line on stderr naming the option, the
+value and the fix: exit 2 for configuration mistakes (bad values are rejected while parsing,
+by the shared types and parser of `argtypes`, which subcommands added later inherit), 1 for
+run-time failures (a file that cannot be written, a run that fails).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import sys
 from typing import Callable, Dict, List, Optional
 
+from .argtypes import EXIT_CONFIG_ERROR, EXIT_RUN_ERROR, Parser, check_output_paths, fail, output_path, \
+    positive_int, quiet_megatron_notices
 from .integration import verify_cmd
 from .schedule import registry
 from .schedule.errors import ConfigError
@@ -21,8 +25,8 @@ from .schedule.ops import Costs, Schedule, check_sizes
 from .schedule.predictions import Prediction, predict
 from .schedule.simulate import SimResult, simulate
 
-EXIT_CONFIG_ERROR = 2
-EXIT_IO_ERROR = 1
+EXIT_IO_ERROR = EXIT_RUN_ERROR
+PICTURE_EXTENSIONS = (".svg", ".png", ".pdf")
 
 
 def _costs(text: Optional[str]) -> Costs:
@@ -82,6 +86,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"peak vs 1F1B      {' '.join(f'{v:.3g}' for v in sim.peak_vs_1f1b)}  (max {max(sim.peak_vs_1f1b):.3g})")
     if pred.text():
         print(f"paper predicts    {pred.text()}")
+    note = no_saving_note(schedule.name, schedule.pp)
+    if note:
+        print(f"note              {note}")
     if args.text:
         from .schedule.render import text
 
@@ -114,8 +121,24 @@ def compare_rows(pp: int, microbatches: int, costs: Costs) -> List[dict]:
             prediction=pred.to_dict(),
             prediction_text=pred.text(),
         )
+        note = no_saving_note(name, pp)
+        if note:
+            row["note"] = note
         rows.append(row)
     return rows
+
+
+def no_saving_note(name: str, pp: int) -> Optional[str]:
+    """Why `name`, a schedule built to save activation memory, saves none at this pp (its bound
+    equals 1F1B's), or None.  Schedules whose bound is 1F1B's at every pp (V-ZB) get no note."""
+    pred = predict(name, pp, 1)
+    if not pred.memory_is_bound or pred.peak_vs_1f1b is None or pred.peak_vs_1f1b < 1:
+        return None
+    from_pp = next((q for q in range(pp + 1, 4 * pp + 8) if (predict(name, q, 1).peak_vs_1f1b or 1) < 1), None)
+    if from_pp is None:
+        return None
+    return (f"{name} saves no activation memory at pp={pp}: its bound {pred.memory_formula} = "
+            f"{pred.peak_vs_1f1b:g} is 1F1B's; it saves memory from pp={from_pp}")
 
 
 def format_table(header: List[str], rows: List[List[str]]) -> str:
@@ -148,6 +171,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     c = costs
     print(f"pp={args.pp}  microbatches={args.microbatches}  costs per rank F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
     print(format_table(["schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B", "paper predicts"], table))
+    for r in rows:
+        if "note" in r:
+            print(f"note: {r['note']}")
     return 0
 
 
@@ -165,19 +191,21 @@ def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
     p.add_argument("--costs", help="F,B,W[,C] for one rank's share of the model (default 1,1,1,0)")
     if schedule:
-        p.add_argument("--chunks", type=int, help="model chunks per rank (1f1b-interleaved; default 2)")
-        p.add_argument("--group", type=int, help="Megatron's microbatch_group_size_per_vp_stage (1f1b-interleaved; default pp)")
+        p.add_argument("--chunks", type=positive_int, help="model chunks per rank (1f1b-interleaved; default 2)")
+        p.add_argument("--group", type=positive_int, help="Megatron's microbatch_group_size_per_vp_stage (1f1b-interleaved; default pp)")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatron-vshape", description="Plan V-shape and baseline pipeline schedules.")
+    ap = Parser(prog="megatron-vshape", description="Plan V-shape and baseline pipeline schedules.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="one schedule: bubble rates, makespan, per-rank peak memory")
     _sizes(p, schedule=True)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--export", metavar="PATH", help="write the schedule in DESIGN.md's JSON format")
-    p.add_argument("--picture", metavar="PATH", help="draw the timeline to SVG (+PNG next to it with matplotlib)")
+    p.add_argument("--export", metavar="PATH", type=output_path(),
+                   help="write the schedule as JSON (format: docs/architecture.md)")
+    p.add_argument("--picture", metavar="PATH", type=output_path(*PICTURE_EXTENSIONS),
+                   help="draw the timeline: .svg (+ a PNG next to it with matplotlib), or .png/.pdf (matplotlib)")
     p.add_argument("--text", action="store_true", help="also draw the timeline in the terminal")
     p.set_defaults(run=cmd_plan)
 
@@ -189,7 +217,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a schedule as JSON or as torch.distributed.pipelining CSV")
     _sizes(p, schedule=True)
     p.add_argument("--format", choices=FORMATS, default="json")
-    p.add_argument("--output", required=True, metavar="PATH")
+    p.add_argument("--output", required=True, metavar="PATH", type=output_path())
     p.set_defaults(run=cmd_export)
 
     # verify_cmd imports torch only inside run(), so the planner stays torch-free.
@@ -200,16 +228,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    quiet_megatron_notices()  # megatron-core's "Apex is not installed" notices, nothing else
+    args = parser().parse_args(argv)  # bad values: one line, exit 2 (argtypes.Parser)
+    prog = f"megatron-vshape {args.command}"
+    unwritable = check_output_paths(args)
+    if unwritable:  # before any work, not after a long computation
+        return fail(prog, unwritable, EXIT_RUN_ERROR)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)
     except ConfigError as exc:
-        print(f"megatron-vshape {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return fail(prog, str(exc), EXIT_CONFIG_ERROR)
     except OSError as exc:
-        print(f"megatron-vshape {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_IO_ERROR
+        where = f": {exc.filename}" if exc.filename else ""
+        return fail(prog, f"{exc.strerror or exc}{where}", EXIT_RUN_ERROR)
 
 
 if __name__ == "__main__":

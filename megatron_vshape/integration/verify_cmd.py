@@ -13,38 +13,33 @@ import argparse
 import json
 import sys
 
+from ..argtypes import Parser, nonnegative_float, nonnegative_int, positive_float, positive_int, \
+    quiet_megatron_notices
+
 BASELINE = "1f1b"
 
 
-def _quiet() -> None:
-    """megatron-core warns at import about optional packages (Apex, TE) the tiny GPT does not use."""
-    import warnings
-
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Options of `verify` (torch-free, so `--help` is fast)."""
+    """Options of `verify` (torch-free, so `--help` is fast); a bad value is refused while parsing."""
     parser.add_argument("--schedule", default="v-half", help="schedule name (see `megatron-vshape plan --help`)")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 2*pp)")
-    parser.add_argument("--num-layers", type=int, default=None,
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline-parallel size")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument("--microbatches", type=positive_int, default=None, help="microbatches per step (default 2*pp)")
+    parser.add_argument("--num-layers", type=positive_int, default=None,
                         help="transformer layers (default: two per stage of the schedule's placement)")
-    parser.add_argument("--hidden-size", type=int, default=32)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=64)
-    parser.add_argument("--seq-length", type=int, default=16)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--hidden-size", type=positive_int, default=32)
+    parser.add_argument("--num-attention-heads", type=positive_int, default=4)
+    parser.add_argument("--vocab-size", type=positive_int, default=64)
+    parser.add_argument("--seq-length", type=positive_int, default=16)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=2)
     parser.add_argument("--tied-embeddings", action="store_true", help="share input embedding and output weights")
-    parser.add_argument("--steps", type=int, default=1, help="training steps (SGD between steps)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate between steps")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tolerance", type=float, default=1e-6,
+    parser.add_argument("--steps", type=positive_int, default=1, help="training steps (SGD between steps)")
+    parser.add_argument("--lr", type=nonnegative_float, default=0.05, help="SGD learning rate between steps")
+    parser.add_argument("--seed", type=nonnegative_int, default=1234)
+    parser.add_argument("--tolerance", type=nonnegative_float, default=1e-6,
                         help="largest accepted loss difference and gradient difference relative to the largest "
                              "reference gradient")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each launch of ranks")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds for each launch of ranks")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
@@ -59,14 +54,21 @@ def _plan(args):
     from ..testing.tiny_gpt import TinyGPT
     from .launch import default_backend
 
+    # Callers other than the parser (tests, scripts) get the same refusal as the command line.
     for name in ("pp", "tp", "steps", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                 "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    m = args.microbatches or 2 * args.pp
+                 "micro_batch_size", "microbatches", "num_layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    for name, low in (("tolerance", 0.0), ("lr", 0.0)):
+        if not getattr(args, name) >= low:
+            raise ConfigError(f"--{name}={getattr(args, name)} must be a number >= {low:g}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout={args.timeout} must be > 0 seconds")
+    m = 2 * args.pp if args.microbatches is None else args.microbatches
     schedule = registry.build(args.schedule, args.pp, m)
     stages = schedule.placement.num_stages
-    layers = args.num_layers or 2 * stages
+    layers = 2 * stages if args.num_layers is None else args.num_layers
     if layers % stages:
         what = f"2*pp={stages}" if schedule.placement.kind == "v" else f"the {stages} stages of {args.schedule}"
         raise ConfigError(f"--num-layers={layers} is not divisible by {what}; use {(layers // stages + 1) * stages}")
@@ -97,7 +99,6 @@ def _plan(args):
 # ---- ranks -------------------------------------------------------------------------------------
 
 def _reference_rank(rank, world_size, tiny, m, steps, lr):
-    _quiet()
     from ..testing.tiny_gpt import reference_run
 
     return reference_run(tiny, m, steps=steps, lr=lr)
@@ -170,7 +171,6 @@ def _stage_activation_bytes(tiny, chunks, placement, pp_rank):
 
 
 def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
-    _quiet()
     from ..testing.tiny_gpt import portable
 
     result = run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect=True)
@@ -249,19 +249,13 @@ def run(args) -> int:
     from ..schedule.errors import ConfigError
     from .launch import LaunchError, launch
 
-    _quiet()
+    quiet_megatron_notices()  # also reaches the ranks, which import megatron-core while starting
     try:
         schedule, tiny, backend = _plan(args)
     except ConfigError as e:
         print(f"megatron-vshape verify: error: {e}", file=sys.stderr)
         return 2
     m = schedule.microbatches
-    # Ranks import megatron-core while unpickling their arguments, before any code of ours runs:
-    # only the interpreter's start-up filter reaches those import-time warnings.
-    import os
-
-    saved = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning,ignore::DeprecationWarning"
     try:
         (reference,) = launch(_reference_rank, 1, (tiny, m, args.steps, args.lr), timeout=args.timeout,
                               backend=backend)
@@ -271,11 +265,6 @@ def run(args) -> int:
     except LaunchError as e:
         print(f"megatron-vshape verify: {e}", file=sys.stderr)
         return 1
-    finally:
-        if saved is None:
-            del os.environ["PYTHONWARNINGS"]
-        else:
-            os.environ["PYTHONWARNINGS"] = saved
     summary = summarize(schedule, reference, results, args.tolerance)
     if args.json:
         head = {"schedule": schedule.name, "pp": args.pp, "tp": args.tp, "microbatches": m,
@@ -288,7 +277,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="megatron-vshape verify", description=__doc__.split("\n")[0]))
+    parser = add_arguments(Parser(prog="megatron-vshape verify", description=__doc__.split("\n")[0]))
     return run(parser.parse_args(argv))
 
 

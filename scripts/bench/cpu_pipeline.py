@@ -1,14 +1,16 @@
-"""CPU benchmark (not a test): every schedule on the tiny GPT, and torch.distributed.pipelining's
-ZBV and 1F1B on the same model, side by side.
+"""CPU benchmark (not a test): every schedule on the tiny GPT, next to torch.distributed.pipelining's ZBV and 1F1B on the same model.
 
-For each pp, one launch of pp gloo ranks runs, per schedule, --warmup + --steps steps and reports:
-  step ms        median wall time of a step (slowest rank, ranks released together by a barrier)
+For each pp, one launch of pp gloo ranks runs, per schedule, --warmup + --steps steps and reports,
+all from ONE step, the median one by step time (so a row's figures describe the same step):
+  step ms        wall time of that step (slowest rank, ranks released together by a barrier)
   bubble         measured: 1 - busiest rank's op time / makespan, from recorded op start/end times
   sim bubble     the simulator's bubble rate for the same op lists fed with the measured op costs
   overhead       measured makespan / simulated makespan (same measured costs)
   peak bytes     bytes of tensors saved for backward, per rank (max over ranks shown, and per rank in CSV)
-torch.distributed.pipelining rows have no op times (its schedules do not expose them): step time and
-peak bytes only.  Timings on an oversubscribed CPU are noisy; nothing here is asserted.
+The makespan (first op start to last op end, all ranks) lies inside the step; a row where it does
+not is refused, not written.  torch.distributed.pipelining rows have no op times (its schedules do
+not expose them): step time and peak bytes only.  Timings on an oversubscribed CPU are noisy;
+nothing here is asserted.
 
   .venv/bin/python scripts/bench/cpu_pipeline.py --pp 2 4 --csv /tmp/cpu_pipeline.csv
 """
@@ -21,9 +23,14 @@ import statistics
 import sys
 import time
 
-from megatron_vshape.integration.launch import launch
-from megatron_vshape.schedule import registry
-from megatron_vshape.testing.tiny_gpt import TinyGPT
+from megatron_vshape.argtypes import Parser, check_output_paths, fail, nonnegative_int, output_path, positive_float, \
+    positive_int, quiet_megatron_notices
+
+quiet_megatron_notices()  # before the imports below pull in megatron-core (here and in every rank)
+
+from megatron_vshape.integration.launch import launch  # noqa: E402
+from megatron_vshape.schedule import registry  # noqa: E402
+from megatron_vshape.testing.tiny_gpt import TinyGPT  # noqa: E402
 
 TORCH_SCHEDULES = ("torch-zbv", "torch-1f1b")
 
@@ -54,7 +61,9 @@ def _ours(tiny, name, pp, m, warmup, steps):
     chunks = build_chunks(tiny, placement)
     recorder = Recorder()
     step_fn = get_forward_backward_func(name, stats=recorder)
-    times, ops, t0 = [], [], 0.0
+    # Each measured step keeps its own op times: a row must not mix one step's makespan with
+    # another step's (or a median's) step time.
+    times, ops = [], []
     for step in range(warmup + steps):
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
@@ -66,8 +75,8 @@ def _ours(tiny, name, pp, m, warmup, steps):
         elapsed = _slowest(time.perf_counter() - t0)
         if step >= warmup:
             times.append(elapsed)
-            ops = [(k, mb, s, a - t0, b - t0) for k, mb, s, a, b in recorder.ops]
-    return {"times": times, "ops": ops, "t0": t0, "peak": recorder.peak_bytes}
+            ops.append([(k, mb, s, a - t0, b - t0) for k, mb, s, a, b in recorder.ops])
+    return {"times": times, "ops": ops, "peak": recorder.peak_bytes}
 
 
 class _TorchStage:
@@ -169,22 +178,38 @@ def _simulated(name, pp, m, mean):
     return simulate(schedule)
 
 
+def median_step(times):
+    """Index of the median step (the lower one of an even count).  Step times are all-reduced,
+    so every rank picks the same step."""
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    return order[(len(order) - 1) // 2]
+
+
+def check_row(row):
+    """Refuse a row whose makespan exceeds the step it was measured in (an inconsistent clock)."""
+    if row.get("makespan_ms") is not None and row["makespan_ms"] > row["step_ms"]:
+        raise RuntimeError(f"{row['schedule']} pp={row['pp']}: makespan {row['makespan_ms']:.1f} ms > step "
+                           f"{row['step_ms']:.1f} ms; the two are not from the same step; not writing this row")
+    return row
+
+
 def bench(pp, m, tiny, names, warmup, steps, timeout):
     results = launch(_rank, pp, (tiny, m, names, warmup, steps), timeout=timeout, backend="gloo")
     rows = []
     base = results[0]["1f1b"]["peak"] if "1f1b" in names else None
     for name in names:
         runs = [r[name] for r in results]
+        step = median_step(runs[0]["times"])
         row = {"pp": pp, "microbatches": m, "schedule": name,
-               "step_ms": 1e3 * statistics.median(runs[0]["times"]),
+               "step_ms": 1e3 * runs[0]["times"][step],
                "peak_bytes": [r["peak"] for r in runs]}
         row["peak_vs_1f1b"] = max(row["peak_bytes"]) / base if base else None
         if runs[0]["ops"] is not None:
-            makespan, bubble, mean = _measured([r["ops"] for r in runs])
+            makespan, bubble, mean = _measured([r["ops"][step] for r in runs])
             sim = _simulated(name, pp, m, mean)
             row.update(bubble=bubble, sim_bubble=sim.bubble_rate, overhead=makespan / sim.makespan,
                        makespan_ms=1e3 * makespan, sim_makespan_ms=1e3 * sim.makespan)
-        rows.append(row)
+        rows.append(check_row(row))
     return rows
 
 
@@ -208,21 +233,24 @@ def print_table(rows, tiny):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--microbatches", type=int, default=None, help="default 2*pp")
-    p.add_argument("--layers-per-stage", type=int, default=1, help="layers per V stage (a 1F1B stage holds twice that)")
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=positive_int, nargs="+", default=[2, 4])
+    p.add_argument("--microbatches", type=positive_int, default=None, help="default 2*pp")
+    p.add_argument("--layers-per-stage", type=positive_int, default=1, help="layers per V stage (a 1F1B stage holds twice that)")
     # Big enough that an op takes milliseconds: with smaller ops, Python and gloo latency per
     # op dominate and the overhead column measures the CPU transport, not the executor.
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--seq-length", type=positive_int, default=256)
+    p.add_argument("--micro-batch-size", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=5)
+    p.add_argument("--warmup", type=nonnegative_int, default=1)
     p.add_argument("--schedules", nargs="+", default=None, help="default: every registered schedule and torch's")
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--csv", default=None)
+    p.add_argument("--timeout", type=positive_float, default=900)
+    p.add_argument("--csv", default=None, type=output_path(), metavar="PATH", help="also write the rows as CSV")
     args = p.parse_args(argv)
+    unwritable = check_output_paths(args)
+    if unwritable:  # before minutes of benchmarking
+        return fail(p.prog, unwritable, 1)
     names = args.schedules or registry.names() + list(TORCH_SCHEDULES)
     rows = []
     for pp in args.pp:

@@ -65,8 +65,69 @@ def test_png_without_matplotlib_is_a_config_error(tmp_path, monkeypatch):
 
 def test_text_timeline():
     s = registry.build("1f1b", 3, 4)
-    lines = render.text(s, columns=60).splitlines()
+    lines = render.text(s, columns=60, legend=False).splitlines()
     assert len(lines) == 3 and all(len(l) == len(lines[0]) for l in lines)
     assert lines[0].startswith("rank   0 |F0") and lines[2].startswith("rank   2 |.")  # rank 2 waits for F0
     wide = render.text(registry.build("v-zb", 2, 2), columns=200)
     assert "F0@0" in wide and "F0@3" in wide  # the two chunks of microbatch 0 on rank 0, told apart by stage
+
+
+def test_svg_labels_every_box_two_digit_numbers_included():
+    s = registry.build("v-half", 8, 24)  # microbatches 10-23 once had no number in their boxes
+    elements = list(ET.fromstring(render.svg(s)))
+    pairs = [(e, elements[i + 1]) for i, e in enumerate(elements) if e.find(SVG + "title") is not None]
+    assert len(pairs) == sum(len(ops) for ops in s.ranks)
+    for box, label in pairs:  # each box is followed by its number, which fits inside it
+        op = box.find(SVG + "title").text.split()[0]
+        assert label.tag == SVG + "text" and label.text == op.split("@")[0].lstrip("BFW")
+        size = float(label.get("font-size"))
+        assert size >= render.SVG_MIN_FONT
+        assert size * (render.DIGIT_EM * len(label.text) + 0.1) <= float(box.get("width")) + 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+@pytest.mark.parametrize("name, pp, m", [("v-half", 8, 24)])  # two-digit labels in 0.5-unit boxes
+def test_png_labels_fit_their_boxes(name, pp, m):
+    import matplotlib.pyplot as plt
+
+    s = registry.build(name, pp, m)
+    fig, ax = render.figure(s)
+    try:
+        renderer = fig.canvas.get_renderer()
+        bars = [p for p in ax.patches if p.get_width() > 0]
+        labels = ax.texts
+        assert sorted(int(t.get_text()) for t in labels) == sorted(op.microbatch for _, op in s.ops())
+        for bar, label in zip(bars, labels):  # one label per box, drawn in the same order
+            assert label.get_fontsize() >= render.PNG_MIN_FONT
+            assert label.get_window_extent(renderer).width <= bar.get_window_extent(renderer).width
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+def test_pdf_is_a_real_pdf_and_other_extensions_are_refused(tmp_path):
+    s = registry.build("v-half", 4, 8)
+    assert render.write_picture(s, str(tmp_path / "t.pdf")) == [str(tmp_path / "t.pdf")]
+    assert (tmp_path / "t.pdf").read_bytes()[:5] == b"%PDF-"
+    with pytest.raises(ConfigError, match="unsupported picture extension '.jpg'"):
+        render.write_picture(s, str(tmp_path / "t.jpg"))
+    assert not (tmp_path / "t.jpg").exists()
+
+
+def test_text_legend_explains_every_character():
+    for name, costs in (("v-min", None), ("v-half", "2,2.2,1.6,0.05"), ("1f1b", None)):
+        from megatron_vshape.schedule.ops import Costs
+
+        s = registry.build(name, 4, 8, Costs.parse(costs) if costs else None)
+        out = render.text(s)
+        rows = [l.split("|")[1] for l in out.splitlines() if l.startswith("rank")]
+        legend = "\n".join(l for l in out.splitlines() if not l.startswith("rank"))
+        used = set("".join(rows))
+        assert " " not in used  # no unexplained blank
+        kinds = {op.kind for _, op in s.ops()}
+        for ch in used - set("0123456789@") - set("".join(kinds)):
+            assert f"'{ch}'" in legend, ch
+        for kind in kinds:
+            assert f"{kind} " in legend
+    equal = render.text(registry.build("v-min", 4, 8))
+    assert "rounded" not in equal and "-" not in "".join(l.split("|")[1] for l in equal.splitlines() if l.startswith("rank"))
