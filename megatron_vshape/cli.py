@@ -229,8 +229,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     quiet_megatron_notices()  # megatron-core's "Apex is not installed" notices, nothing else
-    args = parser().parse_args(argv)  # bad values: one line, exit 2 (argtypes.Parser)
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)  # bad values: one line, exit 2 (argtypes.Parser)
     prog = f"megatron-vshape {args.command}"
+    if extra:  # named by the subcommand, whose --help lists what it takes
+        subcommands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+        subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     unwritable = check_output_paths(args)
     if unwritable:  # before any work, not after a long computation
         return fail(prog, unwritable, EXIT_RUN_ERROR)

@@ -30,7 +30,6 @@ quiet_megatron_notices()  # before the imports below pull in megatron-core (here
 
 from megatron_vshape.integration.launch import launch  # noqa: E402
 from megatron_vshape.schedule import registry  # noqa: E402
-from megatron_vshape.testing.tiny_gpt import TinyGPT  # noqa: E402
 
 TORCH_SCHEDULES = ("torch-zbv", "torch-1f1b")
 
@@ -251,6 +250,8 @@ def main(argv=None) -> int:
     unwritable = check_output_paths(args)
     if unwritable:  # before minutes of benchmarking
         return fail(p.prog, unwritable, 1)
+    from megatron_vshape.testing.tiny_gpt import TinyGPT  # torch and megatron-core: after the arguments are checked
+
     names = args.schedules or registry.names() + list(TORCH_SCHEDULES)
     rows = []
     for pp in args.pp:
