@@ -1,4 +1,4 @@
-"""Schedules to and from files: DESIGN.md's JSON format and torch.distributed.pipelining's CSV.
+"""Schedules to and from files: the JSON format of docs/architecture.md and torch.distributed.pipelining's CSV.
 
 JSON (stable, other tools read it): the per-rank compute op lists with the simulated figures.
 torch-csv: one row per rank, one action per cell, as `_PipelineScheduleRuntime._load_csv`
@@ -30,7 +30,7 @@ _TORCH_ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
 
 
 def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
-    """DESIGN.md's export format (plus `chunks`, and `forward_only` for a forward-only view),
+    """The export format of docs/architecture.md (plus `chunks`, and `forward_only` for a forward-only view),
     with the figures of one simulation."""
     sim = simulate(schedule) if sim is None else sim
     extra = {"forward_only": True} if schedule.meta.get("forward_only") else {}
@@ -74,7 +74,7 @@ def from_dict(data: dict) -> Schedule:
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:  # any malformed field
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"not a schedule export (DESIGN.md format): {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"not a schedule export (format: docs/architecture.md): {type(exc).__name__}: {exc}") from None
     return verify(schedule, forward_only)
 
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's JSON export round-trips; torch-csv speaks torch.distributed.pipelining's actions."""
+"""The JSON export of docs/architecture.md round-trips; torch-csv speaks torch.distributed.pipelining's actions."""
 import json
 
 import pytest
