@@ -1,0 +1,128 @@
+"""Every shell command in README.md runs exactly as printed, from a scratch copy of the repository.
+
+Commands are the lines of the README's ```bash / ```sh / ```shell blocks (backslash continuations
+joined, comment lines dropped), run in order with bash in a scratch copy of the repository whose
+`.venv` links to the environment running this test, with no virtual environment on PATH (as a
+user's shell after `make env`).  Each must exit 0.  New README sections are covered without
+touching this file; the only commands not run are those matching SKIP (slow or needing things
+this machine does not have, each with its reason) or PLACEHOLDER (not meant to run as printed).
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT = 60  # seconds per command: a README command that needs more belongs in SKIP, with its reason
+
+SKIP = [
+    (r"^make\b", "make targets create .venv or run the whole suite; this test runs inside that .venv"),
+    (r"\btorchrun\b|megatron_vshape\.launch|megatron-vshape (verify|pretrain|profile)\b|pretrain_gpt\.py"
+     r"|scripts/bench/(cpu_pipeline|sweep_cpu)\.py",
+     "starts training ranks (minutes on CPU); tests/distributed and tests/e2e run these paths"),
+    (r"\b(sbatch|srun|salloc|squeue)\b|scripts/slurm/", "needs a SLURM cluster (tests/e2e covers the local one)"),
+    (r"scripts/bench/schedules\.py", "simulates the whole benchmark grid (minutes)"),
+    (r"scripts/bench/report\.py", "reads the logs of a sweep that the skipped commands above produce"),
+    (r"\bpip install\b|\bgit (clone|apply)\b|\bcd /", "installs or changes software outside this repository"),
+]
+PLACEHOLDER = re.compile(r"/path/to/|<[^<>\s]+>|<[A-Z][^<>]*>|\s\.\.\.(\s|$)")
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
+
+
+def readme_commands(text):
+    """[(command, skip reason or None)] from the README's shell blocks, in order."""
+    commands, block, indent = [], None, ""
+    for line in text.splitlines():
+        fence = FENCE.match(line)
+        if fence:
+            if block is None:
+                block, indent = (fence["lang"] in ("bash", "sh", "shell")), fence["indent"]
+                block = [] if block else False
+            else:
+                if block:
+                    commands += _join(block)
+                block = None
+            continue
+        if block not in (None, False):
+            block.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+    return [(c, _skip_reason(c)) for c in commands]
+
+
+def _join(lines):
+    out, current = [], ""
+    for line in lines:
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        current += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            out.append(current.strip())
+            current = ""
+    return out + ([current.strip()] if current.strip() else [])
+
+
+def _skip_reason(command):
+    for pattern, reason in SKIP:
+        if re.search(pattern, command):
+            return reason
+    if PLACEHOLDER.search(command):
+        return "has placeholders to fill in (/path/to/..., <...>, ...)"
+    return None
+
+
+with open(os.path.join(ROOT, "README.md")) as _f:
+    COMMANDS = readme_commands(_f.read())
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A copy of the repository's files (tracked and new, not ignored) with .venv linked to the
+    environment running the tests, so nothing is written into the source tree."""
+    dest = tmp_path_factory.mktemp("readme") / "repo"
+    try:
+        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        files = None
+    if files is None:
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", ".venv", "out", "__pycache__"))
+    else:
+        for name in filter(None, files):
+            src = os.path.join(ROOT, name)
+            if name == ".venv" or not os.path.isfile(src):
+                continue
+            os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, name))
+    os.symlink(sys.prefix, dest / ".venv")
+    return dest
+
+
+def _env(scratch):
+    venvs = {os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin")}
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d and os.path.realpath(d) not in {os.path.realpath(v) for v in venvs} and ".venv" not in d]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    # the scratch copy's package, not wherever the environment's editable install points
+    env.update(PATH=os.pathsep.join(path), PYTHONPATH=str(scratch), MPLBACKEND="Agg")
+    return env
+
+
+def test_the_readme_has_commands_to_run():
+    runnable = [c for c, reason in COMMANDS if reason is None]
+    assert len(runnable) >= 5, COMMANDS  # the planner's commands at least
+
+
+@pytest.mark.parametrize("command, skip", COMMANDS, ids=[c[:90] for c, _ in COMMANDS])
+def test_readme_command_runs_as_printed(command, skip, scratch):
+    if skip:
+        pytest.skip(skip)
+    try:
+        r = subprocess.run(["bash", "-c", command], cwd=scratch, env=_env(scratch), capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command!r} ran past {TIMEOUT}s: make it quicker or add a SKIP rule with the reason")
+    assert r.returncode == 0, f"{command}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    assert "Traceback" not in r.stderr, r.stderr
