@@ -7,6 +7,7 @@ import pytest
 
 from megatron_vshape.integration import verify_cmd
 from megatron_vshape.integration.launch import launch
+from megatron_vshape.argtypes import Parser
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.simulate import peak_activations, peak_vs_1f1b
 from megatron_vshape.testing.tiny_gpt import TinyGPT
@@ -21,13 +22,17 @@ def _args(*argv):
     (["--schedule", "v-half", "--pp", "4", "--num-layers", "30"], r"--num-layers=30 is not divisible by 2\*pp=8; use 32"),
     (["--schedule", "1f1b", "--pp", "2", "--tp", "3"], "--num-attention-heads=4 is not divisible by --tp=3"),
     (["--schedule", "1f1b", "--pp", "2", "--tied-embeddings", "--backend", "gloo"], "needs GPUs"),
-    (["--schedule", "v-half", "--pp", "0"], "--pp=0 must be >= 1"),
-    (["--schedule", "v-half", "--steps", "0"], "--steps=0 must be >= 1"),
+    (["--schedule", "v-half", "--pp", "0"], "--pp: got 0; give a whole number >= 1"),  # refused while parsing
+    (["--schedule", "v-half", "--steps", "0"], "--steps: got 0; give a whole number >= 1"),
 ])
 def test_configurations_it_cannot_run_exit_2(capsys, argv, message):
     import re
 
-    assert verify_cmd.run(_args(*argv)) == 2
+    try:
+        code = verify_cmd.run(verify_cmd.add_arguments(Parser()).parse_args(argv))
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert "error:" in err and re.search(message, err), err
 
