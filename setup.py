@@ -11,6 +11,8 @@ setup(
     extras_require={
         "runtime": ["torch>=2.4", "megatron-core>=0.16.1"],
         "plots": ["matplotlib"],
+        # `megatron-vshape plan --optimal`: the exact reference (schedule/optimal.py, CP-SAT).
+        "optimal": ["ortools==9.15.6755"],
         # GPU clusters only: Transformer Engine and apex are imported lazily when present.
         "te": ["transformer-engine[pytorch]>=2.3"],
     },

@@ -59,7 +59,13 @@ def _pct(x: float) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.optimal:
+        from .schedule.optimal import require_ortools
+
+        require_ortools()  # before anything is built: one line naming the fix, exit 2
     schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
+    if args.optimal:
+        return plan_optimal(args, schedule)
     sim = simulate(schedule)
     written: List[str] = []
     if args.export:
@@ -93,6 +99,60 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .schedule.render import text
 
         print(text(schedule, sim))
+    for path in written:
+        print(f"wrote             {path}")
+    return 0
+
+
+def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
+    """`plan --optimal`: the exact reference for the schedule's placement, B/W split, costs and
+    memory budget (the schedule's own, or its peak), with the generated schedule as the hint."""
+    from .schedule import optimal
+
+    if not args.time_limit > 0:
+        raise ConfigError(f"--time-limit {args.time_limit:g}: give the solver's time in seconds, > 0 (e.g. 30)")
+    problem = optimal.problem_of(schedule, getattr(args, "memory_budget", None))
+    result = optimal.solve(problem, args.time_limit, hint=schedule)
+    base = simulate(schedule)
+    if result.schedule is None:
+        print(f"optimal: no schedule found in {args.time_limit:g} s ({result.status}); lower bound {result.bound:g}; "
+              f"{schedule.name} as generated: {base.makespan:g}")
+        return 1 if result.status == "unknown" else EXIT_CONFIG_ERROR
+    solved, sim = result.schedule, simulate(result.schedule)
+    info = {**result.to_dict(), "of": schedule.name, "generated_makespan": base.makespan,
+            "memory_budget": problem.memory_budget, "cap_stage_activations": problem.cap}
+    written: List[str] = []
+    if args.export:
+        out = export_dict(solved, sim)
+        out["optimal"] = info
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.export)), exist_ok=True)
+        with open(args.export, "w") as f:
+            f.write(json.dumps(out, separators=(", ", ": ")) + "\n")
+        written.append(args.export)
+    if args.picture:
+        from .schedule.render import write_picture
+
+        written += write_picture(solved, args.picture, sim)
+    if args.json:
+        print(json.dumps({**summary(solved, sim), "optimal": info, "written": written}, indent=2))
+        return 0
+    exact = "exact" if not result.rounded else f"costs rounded to 1/{result.scale}"
+    word = "optimal (proven)" if result.status == "optimal" else f"best found in {args.time_limit:g} s"
+    print(f"exact reference   {schedule.name}'s problem: placement {problem.placement.kind}, "
+          f"{'B/W split' if problem.split else 'combined backward'}, budget {problem.memory_budget:.4g} of 1F1B "
+          f"({problem.cap:g} stage-activations per rank)")
+    print(f"makespan          {result.makespan:g}  {word}")
+    print(f"lower bound       {result.bound:g}  (gap {_pct(result.gap)})")
+    print(f"generated         {base.makespan:g}  ({schedule.name}; {_pct(base.makespan / result.bound - 1)} above the bound)")
+    print(f"bubble rate       {_pct(sim.bubble_rate)}  ({schedule.name}: {_pct(base.bubble_rate)})")
+    print(f"peak activations  {' '.join(f'{p:g}' for p in sim.peak_activations)}  (stage-activations per rank)")
+    print(f"solver            CP-SAT, {result.wall_s:.1f} s; integer time, {result.scale} units per cost unit ({exact})")
+    if args.text:
+        from .schedule.render import text
+
+        print(text(solved, sim))
     for path in written:
         print(f"wrote             {path}")
     return 0
@@ -207,6 +267,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--picture", metavar="PATH", type=output_path(*PICTURE_EXTENSIONS),
                    help="draw the timeline: .svg (+ a PNG next to it with matplotlib), or .png/.pdf (matplotlib)")
     p.add_argument("--text", action="store_true", help="also draw the timeline in the terminal")
+    p.add_argument("--optimal", action="store_true",
+                   help="solve the schedule's problem exactly (placement, costs, memory budget) with OR-Tools CP-SAT "
+                        "(pip install '.[optimal]'): best schedule found and proven lower bound")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="seconds for --optimal (default 30)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("compare", help="every registered schedule side by side")

@@ -1,0 +1,152 @@
+"""The exact reference (schedule/optimal.py, OR-Tools CP-SAT) on small instances: its schedule
+verifies and re-simulates to the makespan it claims, it is never worse than a generator, the
+planner's schedules are within 2% of it, and the CLI reports and exports it."""
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_vshape.schedule import export, optimal, registry
+from megatron_vshape.schedule.ops import Costs, StageCost
+from megatron_vshape.schedule.simulate import simulate
+
+try:
+    import ortools.sat.python.cp_model  # noqa: F401
+    HAVE_ORTOOLS = True
+except ImportError:
+    HAVE_ORTOOLS = False
+
+needs_ortools = pytest.mark.skipif(not HAVE_ORTOOLS, reason="OR-Tools is not installed: pip install '.[optimal]' "
+                                                            "(requirements-cpu.txt pins ortools==9.15.6755)")
+TIME_LIMIT = 120.0  # each instance proves in a few seconds; the limit only guards a loaded machine
+
+# Small instances (pp 2..4, m <= 8) that prove fast: V schedules under their own budgets, the
+# single placement with a B/W split, and a combined backward.
+INSTANCES = [
+    ("v-half", 2, 4, "2,2.2,1.6,0.05"),
+    ("v-min", 3, 3, "2,2.2,1.6,0.05"),
+    ("v-min", 4, 4, "2,2.2,1.6,0.05"),
+    ("v-zb", 4, 4, "2,2,2,0.25"),
+    ("v-zb", 2, 6, "2,2,2,0.25"),
+    ("zb-h1", 4, 8, "2,2.2,1.6,0.05"),
+    ("1f1b", 3, 6, "1,1,1,0"),
+]
+ID = lambda inst: f"{inst[0]}-pp{inst[1]}-m{inst[2]}-{inst[3]}"  # noqa: E731
+
+
+@functools.lru_cache(maxsize=None)
+def _solved(name, pp, m, costs):
+    schedule = registry.build(name, pp, m, Costs.parse(costs))
+    return schedule, optimal.solve(optimal.problem_of(schedule), TIME_LIMIT, hint=schedule)
+
+
+@needs_ortools
+@pytest.mark.parametrize("inst", INSTANCES, ids=ID)
+def test_solution_verifies_and_resimulates_to_its_claim(inst):
+    schedule, result = _solved(*inst)
+    assert result.status == "optimal", result.to_dict()
+    solved = result.schedule
+    assert solved.placement == schedule.placement and solved.split_backward == schedule.split_backward
+    export.from_dict(export.to_dict(solved))  # verifies, memory budget included
+    sim = simulate(solved)
+    assert sim.makespan == pytest.approx(result.makespan, abs=1e-9)
+    assert result.bound == pytest.approx(result.makespan, abs=1e-9)
+    assert max(sim.peak_activations) <= max(simulate(schedule).peak_activations)  # the generator's memory
+    assert result.makespan <= simulate(schedule).makespan + 1e-9  # the generator is one solution
+
+
+# Measured on main at 22:30 UTC, before the planner's search (issue 7 item 2) landed:
+# today's generators are 2.47% (v-min pp=4 m=4) and 4.27% (v-zb pp=4 m=4) above the optimum.
+_GAP_TODAY = {("v-min", 4, 4, "2,2.2,1.6,0.05"): "today's v-min 37.3 vs optimum 36.4: 2.47%",
+              ("v-zb", 4, 4, "2,2,2,0.25"): "today's v-zb 30.5 vs optimum 29.25: 4.27%"}
+PLANNER_CASES = [pytest.param(i, marks=pytest.mark.xfail(reason=_GAP_TODAY[i], strict=False)) if i in _GAP_TODAY else i
+                 for i in INSTANCES]
+
+
+@needs_ortools
+@pytest.mark.parametrize("inst", PLANNER_CASES, ids=ID)
+def test_planner_within_two_percent_of_optimum(inst):
+    schedule, result = _solved(*inst)
+    assert result.status == "optimal", result.to_dict()
+    gap = simulate(schedule).makespan / result.makespan - 1
+    assert gap <= 0.02, f"{ID(inst)}: planner {simulate(schedule).makespan:g} vs optimum {result.makespan:g}: {gap:.2%}"
+
+
+@needs_ortools
+def test_unequal_stages_and_sizes_are_modelled():
+    # pp=2 V: the embedding stage and the output stage heavier, the output stage's activation larger.
+    stages = [StageCost(1.5, 1.0, 1.0, 1.5), StageCost(1, 1, 1), StageCost(1, 1, 1), StageCost(1, 2.5, 1.5, 2)]
+    schedule = registry.build("v-zb", 2, 4, Costs(2, 2, 2, 0.25), stage_costs=stages)
+    problem = optimal.problem_of(schedule, memory_budget=1.0)  # 4 size-weighted stage-activations per rank
+    result = optimal.solve(problem, TIME_LIMIT, hint=schedule)
+    assert result.status == "optimal", result.to_dict()
+    sim = simulate(result.schedule)
+    assert result.schedule.stage_costs == tuple(stages)
+    assert sim.makespan == pytest.approx(result.makespan, abs=1e-9)
+    assert max(sim.peak_activations) <= 4 + 1e-9
+    # Rank 0 holds stages 0 and 3 (1.5 + 2): one microbatch at a time fits, two do not.
+    assert max(sim.peak_activations) == pytest.approx(3.5)
+
+
+@needs_ortools
+def test_tighter_budget_is_never_faster():
+    schedule = registry.build("v-zb", 3, 3, Costs(2, 2.2, 1.6, 0.05))
+    loose = optimal.solve(optimal.problem_of(schedule, memory_budget=1.0), TIME_LIMIT, hint=schedule)
+    tight = optimal.solve(optimal.problem_of(schedule, memory_budget=2 / 3), TIME_LIMIT, hint=schedule)
+    assert loose.status == tight.status == "optimal"
+    assert tight.makespan > loose.makespan  # 4 stage-activations per rank cost time at these sizes
+    assert max(simulate(tight.schedule).peak_activations) <= 4
+
+
+def test_time_scale_is_exact_for_decimals_and_rounds_measured_seconds():
+    assert optimal.time_scale([1, 1.1, 0.8, 0.05]) == (20, False)
+    assert optimal.time_scale([1, 1, 1, 0.25]) == (4, False)
+    scale, rounded = optimal.time_scale([0.0123456789, 0.0211, 0.0003])
+    assert rounded and 0.0003 * scale >= optimal.ROUNDING
+
+
+def test_schedule_package_does_not_need_ortools():
+    code = ("import sys; sys.modules['ortools'] = None\n"
+            "from megatron_vshape.schedule import optimal, registry\n"
+            "s = registry.build('v-half', 2, 4); p = optimal.problem_of(s)\n"
+            "try:\n    optimal.solve(p, 1)\nexcept optimal.ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pip install" in out.stdout and "ortools==9.15.6755" in out.stdout
+
+
+def test_cli_optimal_without_ortools_is_one_line_and_exit_2():
+    code = ("import sys; sys.modules['ortools'] = None\n"
+            "from megatron_vshape.cli import main\n"
+            "sys.exit(main(['plan', '--schedule', 'v-half', '--pp', '2', '--microbatches', '4', '--optimal']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--optimal" in lines[0] and "pip install" in lines[0], out.stderr
+
+
+@needs_ortools
+def test_cli_prints_bound_and_exports(tmp_path):
+    from megatron_vshape.cli import main
+
+    path = tmp_path / "opt.json"
+    rc = main(["plan", "--schedule", "v-min", "--pp", "3", "--microbatches", "3", "--costs", "2,2.2,1.6,0.05",
+               "--optimal", "--time-limit", str(TIME_LIMIT), "--export", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    s = export.load_json(str(path))  # verifies, within the recorded memory budget
+    assert data["optimal"]["status"] == "optimal" and data["optimal"]["of"] == "v-min"
+    assert simulate(s).makespan == pytest.approx(data["makespan"]) == pytest.approx(data["optimal"]["lower_bound"])
+    assert data["memory_budget"] == pytest.approx(4 / 6)  # v-min's peak: 4 stage-activations of 1F1B's 6 at pp=3
+    assert data["makespan"] <= data["optimal"]["generated_makespan"]
+
+
+def test_cli_rejects_a_time_limit_of_zero(capsys):
+    from megatron_vshape.cli import main
+
+    if not HAVE_ORTOOLS:
+        pytest.skip("OR-Tools is not installed: the missing extra is reported first")
+    rc = main(["plan", "--schedule", "v-half", "--pp", "2", "--microbatches", "4", "--optimal", "--time-limit", "0"])
+    assert rc == 2 and "--time-limit" in capsys.readouterr().err
