@@ -28,8 +28,8 @@ PNG_MIN_FONT, PNG_MAX_FONT, PNG_MAX_INCHES = 4.0, 6.0, 400.0  # pt; 400 in at 15
 
 
 def _label_em(op) -> float:
-    """Width of op's microbatch number in ems."""
-    return DIGIT_EM * len(str(op.microbatch)) + 0.1
+    """Width of op's microbatch number in ems, with a gap to the next box's number."""
+    return DIGIT_EM * len(str(op.microbatch)) + 0.45
 
 
 def _units_per_box_em(sim: SimResult) -> float:
