@@ -185,7 +185,8 @@ def build_model_chunks(
         from .cpu_spec import cpu_gpt_block_spec
 
         transformer_layer_spec = cpu_gpt_block_spec
-    if placement.kind == "v" and placement.pp > 1:
+    tied_over_gloo = share_embeddings_and_output_weights and placement.kind != "v" and _embedding_group_on_gloo()
+    if (placement.kind == "v" and placement.pp > 1) or tied_over_gloo:
         gpt_kwargs["pg_collection"] = _without_embedding_group(gpt_kwargs.get("pg_collection"))
     last = placement.num_stages - 1
     chunks = []
@@ -208,7 +209,45 @@ def build_model_chunks(
         )
     if share_embeddings_and_output_weights and placement.kind == "v" and placement.pp > 1 and pp_rank == 0:
         _tie_output_to_embedding(chunks[1], chunks[0])
+    if tied_over_gloo:
+        with torch.no_grad():
+            # What megatron-core's set-up does through CUDA: the last stage's copy (zeroed) takes the first's.
+            allreduce_tied_embedding(chunks, lambda weight: weight.data)
     return chunks
+
+
+def _embedding_group_on_gloo() -> bool:
+    """Whether the first and last pipeline ranks' embedding group runs on gloo (CPU), where
+    megatron-core's own tied-weight set-up (which moves the weight to CUDA) cannot run."""
+    import torch.distributed as dist
+
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    return group is not None and group.size() > 1 and dist.get_backend(group) == "gloo"
+
+
+def allreduce_tied_embedding(chunks, tensor_of=lambda weight: weight.grad) -> None:
+    """Sum `tensor_of(weight)` of the tied word embedding over the embedding group (first and last
+    pipeline rank on single and loop placements): megatron-core's finalize_model_grads step, for
+    chunks without its DDP wrapper.  No-op off the group, on the V (group of one) and when untied."""
+    import torch.distributed as dist
+
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    if group is None or group.size() < 2 or dist.get_rank() not in dist.get_process_group_ranks(group):
+        return
+    models = [_unwrap(c) for c in chunks]
+    if not models[0].share_embeddings_and_output_weights:
+        return
+    # On the first pipeline rank the embedding's chunk comes first, on the last the output layer's last.
+    model = models[0] if parallel_state.is_pipeline_first_stage(ignore_virtual=True) else models[-1]
+    tensor = tensor_of(model.shared_embedding_or_output_weight())
+    if tensor is not None:
+        dist.all_reduce(tensor, group=group)
+
+
+def _unwrap(module):
+    while not hasattr(module, "share_embeddings_and_output_weights") and hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def _without_embedding_group(pg_collection):
@@ -244,7 +283,12 @@ _LAYER_RE = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)\.")
 def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """(name, parameter) with layer indices made global: the names the non-pipelined model uses."""
     layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    # The last stage's copy of a tied word embedding (single and loop placements) is the same
+    # weight as the first stage's: it goes by the embedding's name, as without pipelining.
+    duplicate = getattr(chunk, "share_embeddings_and_output_weights", False) and not chunk.pre_process
     for name, param in chunk.named_parameters():
+        if duplicate and name == "output_layer.weight":
+            name = "embedding.word_embeddings.weight"
         m = _LAYER_RE.match(name)
         if m:
             number = layers[int(m.group(2))].layer_number  # 1-based global layer number
