@@ -288,10 +288,19 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="run a schedule on a tiny GPT across ranks; compare losses, gradients, memory")
     verify_cmd.add_arguments(p)
     p.set_defaults(run=verify_cmd.run)
+
+    # Its own parser (Megatron-LM's flag names), imported only when run: see main().
+    sub.add_parser("pretrain", add_help=False,
+                   help="GPT pretraining under a schedule, launched by torchrun (`pretrain --help` for its flags)")
     return ap
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pretrain"]:  # its own parser: Megatron-LM's flag names
+        from .integration.train import main as pretrain
+
+        return pretrain(argv[1:])
     quiet_megatron_notices()  # megatron-core's "Apex is not installed" notices, nothing else
     ap = parser()
     args, extra = ap.parse_known_args(argv)  # bad values: one line, exit 2 (argtypes.Parser)

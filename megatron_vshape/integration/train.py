@@ -1,0 +1,790 @@
+"""GPT pretraining on megatron-core under any pipeline schedule: the loop behind
+`scripts/pretrain_gpt.py` and `megatron-vshape pretrain`, launched by torchrun.
+
+Megatron-LM's flag names; `--config FILE.yaml` (keys are flag names, dashes or underscores;
+command-line flags override the file).  NCCL on GPUs, gloo on CPU, chosen automatically.
+
+What runs where:
+  * model: this rank's megatron-core GPTModel chunks from `runtime.chunks.build_model_chunks`
+    (global layer numbers, the V's two chunks, tied embeddings on every placement); weights a pure
+    function of --seed and each parameter's global name (`runtime.init`), so every schedule and
+    pipeline size starts from the same model.
+  * step: the schedule's forward-backward function (`runtime.executor`), or megatron-core's own
+    without pipelining at pp=1.
+  * GPU: megatron-core's DistributedDataParallel, Float16Module for --bf16/--fp16, and
+    get_megatron_optimizer (Adam).  CPU: megatron-core's DDP and optimizers allocate on CUDA, so
+    the chunks stay unwrapped, `runtime.grads.finalize_grads` averages gradients over the
+    data-parallel group and sums the tied embedding (gloo), and `CpuAdamW` (torch AdamW with
+    Megatron's no-decay groups and global-norm clipping) steps them.
+  * logs: Megatron-style lines every --log-interval, and on global rank 0 the VSHAPE_METRICS and
+    VSHAPE_SUMMARY lines (the contract in the team brief).
+
+Exit status: 2 for a configuration error (found before any process group exists), 1 for a
+failure while running.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from typing import Dict, List, Optional
+
+from ..schedule.errors import ConfigError
+from .args import add_pipeline_arguments, validate_pipeline_args
+
+EXIT_CONFIG, EXIT_RUNTIME = 2, 1
+# Dense bf16 peak TFLOP/s per GPU for MFU, by device-name substring.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="YAML file of flag values (keys are flag names); command-line flags override it")
+    m = p.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, default=4)
+    m.add_argument("--hidden-size", type=int, default=64)
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    m.add_argument("--seq-length", type=int, default=64)
+    m.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    m.add_argument("--bf16", action="store_true")
+    m.add_argument("--fp16", action="store_true")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    par.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", dest="microbatch_group_size_per_vp_stage",
+                     type=int, default=None)
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    par.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    par.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    par.add_argument("--pipeline-model-parallel-layout", default=None)
+    add_pipeline_arguments(p)
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--global-batch-size", type=int, default=None, help="default micro batch size x data-parallel size")
+    t.add_argument("--train-iters", type=int, default=10)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="cosine")
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--seed", type=int, default=1234)
+    lg = p.add_argument_group("logging and evaluation")
+    lg.add_argument("--log-interval", type=int, default=1)
+    lg.add_argument("--eval-interval", type=int, default=None, help="evaluate every N iterations and at the end")
+    lg.add_argument("--eval-iters", type=int, default=2)
+    lg.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: by GPU name)")
+    lg.add_argument("--config-name", default=None, help="name in VSHAPE_SUMMARY (default: the --config file's stem)")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--save", default=None, metavar="DIR")
+    ck.add_argument("--load", default=None, metavar="DIR")
+    ck.add_argument("--save-interval", type=int, default=None)
+    d = p.add_argument_group("data")
+    d.add_argument("--mock-data", action="store_true", help="megatron-core's mock GPT dataset")
+    d.add_argument("--data-path", nargs="+", default=None, help="indexed dataset prefix(es): PATH or W1 P1 W2 P2")
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--tokenizer-type", default="NullTokenizer")
+    d.add_argument("--vocab-size", type=int, default=None)
+    d.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    return p
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, object]:
+    """{dest: value} from a YAML file whose keys are flag names (dashes or underscores)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    dests = {a.dest for a in parser._actions}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        dest = {"microbatch_group_size_per_virtual_pipeline_stage": "microbatch_group_size_per_vp_stage"}.get(dest, dest)
+        if dest not in dests or dest in ("help", "config"):
+            raise ConfigError(f"--config {path}: unknown key {key!r}; keys are this command's flag names "
+                              f"(see --help)")
+        out[dest] = [str(v) for v in value] if dest == "data_path" and isinstance(value, list) else value
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**load_config(first.config, parser))
+    args = parser.parse_args(argv)
+    if args.config_name is None and args.config:
+        args.config_name = os.path.splitext(os.path.basename(args.config))[0]
+    return args
+
+
+def validate(args, world_size: Optional[int] = None):
+    """Driver checks on top of validate_pipeline_args; returns the pipeline plan (None at pp=1).
+    Sets the derived sizes on args.  Touches no process group.  `world_size`: default torchrun's
+    WORLD_SIZE."""
+    import torch
+
+    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "log_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None:
+        args.pipeline_schedule = "1f1b"
+    split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                         "pipeline_model_parallel_layout") if getattr(args, f)]
+    plan = validate_pipeline_args(args)  # the V's refusal of the layer-split flags comes from here
+    if split:
+        raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in split)}: this driver builds equal "
+                          "stages (num_layers / stages each); uneven splits run through Megatron-LM's own "
+                          "pretrain_gpt.py with megatron_vshape.install() for the single and loop placements")
+    args.data_parallel_size = plan.data_parallel_size if plan else _dp(args)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        raise ConfigError(f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size="
+                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
+                          f"{args.num_attention_heads}")
+    if args.num_attention_heads % args.tensor_model_parallel_size:
+        raise ConfigError(f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size={args.tensor_model_parallel_size}")
+    if plan is None and args.num_layers % args.pipeline_model_parallel_size:
+        raise ConfigError(f"--num-layers={args.num_layers} is not divisible by pp={args.pipeline_model_parallel_size}")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
+    cuda = torch.cuda.is_available()
+    if (args.fp16 or args.bf16) and not cuda:
+        raise ConfigError(f"--{'fp16' if args.fp16 else 'bf16'} on CPU: megatron-core's mixed-precision optimizer "
+                          "and Float16Module need CUDA; train in fp32 on CPU (drop the flag)")
+    if args.transformer_impl == "transformer_engine" and not cuda:
+        raise ConfigError("--transformer-impl transformer_engine needs GPUs; use --transformer-impl local on CPU")
+    if bool(args.mock_data) == bool(args.data_path):
+        raise ConfigError("pass exactly one of --mock-data and --data-path PREFIX")
+    if args.vocab_size is None:
+        raise ConfigError("--vocab-size N is needed (NullTokenizer: token ids 0..N-1)")
+    if args.eval_interval is not None and (args.eval_interval < 1 or args.eval_iters < 1):
+        raise ConfigError(f"--eval-interval={args.eval_interval} and --eval-iters={args.eval_iters} must be >= 1")
+    if args.save_interval is not None and not args.save:
+        raise ConfigError(f"--save-interval={args.save_interval} needs --save DIR")
+    if (args.save or args.load) and _checkpoint_module() is None:
+        raise ConfigError("--save/--load: checkpointing (megatron_vshape.integration.checkpoint) is not available "
+                          "in this version")
+    if args.lr_warmup_iters >= (args.lr_decay_iters or args.train_iters):
+        raise ConfigError(f"--lr-warmup-iters={args.lr_warmup_iters} must be below the decay iterations "
+                          f"({args.lr_decay_iters or args.train_iters})")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min-lr={args.min_lr} must be between 0 and --lr={args.lr}")
+    return plan
+
+
+def _dp(args) -> int:
+    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % mp:
+        raise ConfigError(f"world size {args.world_size} is not divisible by tp x pp = {mp}")
+    return args.world_size // mp
+
+
+def _checkpoint_module():
+    try:
+        from . import checkpoint
+    except ImportError:
+        return None
+    return checkpoint if hasattr(checkpoint, "save_checkpoint") else None
+
+
+# ---- model, optimizer ----------------------------------------------------------------------------
+
+def padded_vocab_size(args) -> int:
+    multiple = max(1, args.make_vocab_size_divisible_by) * args.tensor_model_parallel_size
+    return -(-(args.vocab_size + 1) // multiple) * multiple  # NullTokenizer adds the end-of-document id
+
+
+def transformer_config(args, device):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    gpu = device.type == "cuda"
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, use_cpu_initialization=not gpu,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        delay_wgrad_compute=args.transformer_impl == "transformer_engine" and _splits(args),
+    )
+
+
+def _splits(args) -> bool:
+    plan = getattr(args, "plan", None)
+    return bool(plan and plan.schedule.split_backward)
+
+
+def _layer_spec(args, device):
+    if device.type == "cpu":
+        from ..runtime.cpu_spec import cpu_gpt_block_spec
+
+        return cpu_gpt_block_spec
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if args.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+def build_model(args, placement, device):
+    from ..runtime.chunks import build_model_chunks
+    from ..runtime.init import init_by_name
+
+    config = transformer_config(args, device)
+    chunks = build_model_chunks(
+        config, placement, vocab_size=padded_vocab_size(args),
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        transformer_layer_spec=_layer_spec(args, device),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type)
+    init_by_name(chunks, args.seed, args.init_method_std, args.num_layers)
+    if device.type == "cpu":
+        from ..runtime.cpu_spec import use_cpu_rotary
+
+        for chunk in chunks:
+            use_cpu_rotary(chunk)
+    return [chunk.to(device) for chunk in chunks], config
+
+
+class CpuAdamW:
+    """torch AdamW with Megatron's parameter groups (no weight decay on biases and norms, lr and
+    weight decay set by OptimizerParamScheduler) and its global-norm clipping; `step()` returns
+    (updated, grad_norm, None) like megatron-core's optimizers."""
+
+    def __init__(self, chunks, args):
+        import torch
+
+        from ..runtime.grads import unique_parameters
+
+        self.params = unique_parameters(chunks)
+        decay = [p for p in self.params if p.ndim > 1]
+        no_decay = [p for p in self.params if p.ndim <= 1]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.clip_grad = args.clip_grad
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        from ..runtime.grads import clip_grad_norm
+
+        norm = clip_grad_norm(self.params, self.clip_grad)
+        if not math.isfinite(norm):
+            return False, norm, None
+        self.optimizer.step()
+        return True, norm, None
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(args, chunks, config, device):
+    """(chunks as trained, optimizer, scheduler)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if device.type == "cuda":
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        if args.bf16 or args.fp16:
+            chunks = [Float16Module(config, c) for c in chunks]
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=False), chunks)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    else:
+        from ..runtime.grads import finalize_grads
+
+        optimizer = CpuAdamW(chunks, args)
+        config.finalize_model_grads_func = finalize_grads
+    # Megatron counts scheduler steps in samples (one step of global-batch-size per iteration).
+    decay = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+    return chunks, optimizer, scheduler
+
+
+# ---- one step ------------------------------------------------------------------------------------
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron's GPT loss contract: (summed loss, token count, {"lm loss": [sum, count]})."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.stack([loss.detach().clone(), tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def reduce_loss(loss_dicts, device):
+    """(loss sum, token count) over this step's microbatches and the data-parallel replicas, known on
+    every rank (the loss dicts arrive on the last pipeline rank only)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for d in loss_dicts:
+        total += d["lm loss"].to(device=device, dtype=torch.float64)
+    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(total[0]), float(total[1])
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+def step_figures(ops, t0: float, chunks: int) -> dict:
+    """This rank's busy time, end time since t0 and per-op-kind durations (per rank's share)."""
+    busy = sum(e - s for _, _, _, s, e in ops)
+    end = max((e for *_, e in ops), default=t0) - t0
+    by_kind: Dict[str, List[float]] = {}
+    for kind, _, _, s, e in ops:
+        by_kind.setdefault(kind, []).append((e - s) * chunks)
+    return {"busy": busy, "end": end, "kinds": {k: statistics.mean(v) for k, v in by_kind.items()}}
+
+
+def measured_costs(per_rank_kinds: List[Dict[str, float]]) -> dict:
+    """F, B, W (seconds, per rank's share of the model) averaged over pipeline ranks; a fused BW
+    (schedules without the split) is reported as B and W halves; C is not measured (0)."""
+    def mean(kind):
+        vals = [k[kind] for k in per_rank_kinds if kind in k]
+        return statistics.mean(vals) if vals else None
+
+    f, b, w, bw = mean("F"), mean("B"), mean("W"), mean("BW")
+    if b is None and bw is not None:
+        b = w = bw / 2
+    return {"F": f, "B": b, "W": w, "C": 0.0}
+
+
+def max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_flops(args, tokens: int) -> float:
+    """Training FLOPs for `tokens` tokens (forward + backward; Narayanan et al. 2021's count with
+    the given FFN size): 6 * tokens * params-like term plus attention's sequence term."""
+    h, layers, s = args.hidden_size, args.num_layers, args.seq_length
+    ffn = args.ffn_hidden_size or 4 * h
+    per_token = layers * (8 * h * h + 4 * h * ffn + 4 * s * h) + 2 * h * padded_vocab_size(args)
+    return 3 * per_token * tokens
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+def _print0(*a):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def init_distributed():
+    """torchrun's environment -> the default process group (NCCL on GPUs, gloo on CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "MASTER_ADDR" not in os.environ:  # a plain `python scripts/pretrain_gpt.py`: one process
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                           "WORLD_SIZE": "1"})
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(args, placement):
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    from ..runtime.chunks import embedding_ranks_for
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=placement.chunks if placement.chunks > 1 else None,
+        get_embedding_ranks=embedding_ranks_for(placement))
+    # Dropout: the same stream per pipeline rank; weights do not depend on it (runtime.init).
+    torch.manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def forward_backward_func(args, plan, recorder):
+    if plan is None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+    from ..runtime.executor import get_forward_backward_func
+
+    return get_forward_backward_func(plan.schedule, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout)
+
+
+class _Recorders:
+    """A fresh stats recorder per step, behind one object the executor keeps."""
+
+    def __init__(self):
+        from ..runtime.stats import Recorder
+
+        self._cls, self.current = Recorder, Recorder()
+
+    def new(self):
+        self.current = self._cls()
+        return self.current
+
+    def __getattr__(self, name):
+        return getattr(self.current, name)
+
+
+def run(args, plan) -> dict:
+    """Train (and evaluate) in an initialised process group; returns the summary (on every rank)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ..schedule.ops import Placement
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    placement = plan.schedule.placement if plan else Placement("single", 1)
+    args.plan = plan
+    init_parallel(args, placement)
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    pp, tp, dp, m = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size, \
+        args.num_microbatches
+    name = plan.name if plan else "none"
+    _print0(f"megatron-vshape pretrain: schedule {name} (placement {placement.kind}, {placement.chunks} chunk(s) per "
+            f"rank) pp={pp} tp={tp} dp={dp} world={dist.get_world_size()} backend={dist.get_backend()} | "
+            f"{args.num_layers} layers ({args.num_layers // placement.num_stages} per stage), hidden {args.hidden_size}, "
+            f"seq {args.seq_length}, vocab {padded_vocab_size(args)} (padded), tied embeddings: "
+            f"{'no' if args.untie_embeddings_and_output_weights else 'yes'} | micro batch {args.micro_batch_size}, "
+            f"global batch {args.global_batch_size}, {m} microbatches")
+    if plan and plan.reason:
+        _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
+    chunks, config = build_model(args, placement, device)
+    chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
+    recorders = _Recorders()
+    fb = forward_backward_func(args, plan, recorders)
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size \
+        if args.eval_interval else 0
+    data = _build_data(args, evals)
+
+    start_iter = 0
+    ckpt = _checkpoint_module()
+    if args.load and ckpt is not None:
+        start_iter, _extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler)
+        _print0(f"  loaded checkpoint {args.load} at iteration {start_iter}")
+
+    rss0 = max_rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    history, metrics = [], []
+    peak_act = 0
+    window = {"time": 0.0, "iters": 0}
+    eval_round = 0
+    for it in range(start_iter, args.train_iters):
+        batches = _microbatches(args, data.train, it, dp_rank)
+        optimizer.zero_grad()
+        for c in chunks:
+            if hasattr(c, "zero_grad_buffer"):  # megatron-core DDP (GPU)
+                c.zero_grad_buffer()
+        recorder = recorders.new()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_dicts = fb(forward_step_func=forward_step, data_iterator=_iters(batches, len(chunks)), model=chunks,
+                        num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                        forward_only=False)
+        updated, grad_norm, _ = optimizer.step()
+        if updated:
+            scheduler.step(increment=args.global_batch_size)
+        loss_sum, tokens = reduce_loss(loss_dicts, device)
+        dist.barrier()
+        iter_time = time.perf_counter() - t0
+        figures = step_figures(recorder.ops, t0, placement.chunks)
+        peak_act = max(peak_act, recorder.peak_bytes)
+        loss = loss_sum / max(tokens, 1.0)
+        history.append({"iteration": it + 1, "loss": loss, "time": iter_time, "figures": figures,
+                        "grad_norm": grad_norm})
+        window["time"] += iter_time
+        window["iters"] += 1
+        if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler))
+            window = {"time": 0.0, "iters": 0}
+        if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
+            evaluate(args, fb, chunks, data, it + 1, eval_round, dp_rank, device)
+            eval_round += 1
+        if ckpt is not None and args.save and (
+                (args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == args.train_iters):
+            ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
+                                 extra={"consumed_samples": (it + 1) * args.global_batch_size})
+            _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
+    return _summary(args, plan, history, peak_act, rss0, device)
+
+
+def _build_data(args, eval_samples):
+    from .data import build_datasets
+
+    return build_datasets(args, args.train_iters * args.global_batch_size, eval_samples)
+
+
+def _microbatches(args, dataset, iteration, dp_rank):
+    from .data import microbatches
+
+    return microbatches(dataset, iteration, args.global_batch_size, dp_rank, args.micro_batch_size,
+                        args.num_microbatches)
+
+
+def _iters(batches, chunks):
+    from .data import iterators
+
+    its = iterators(batches, chunks)
+    return its if chunks > 1 else its[0]
+
+
+def evaluate(args, fb, chunks, data, iteration, eval_round, dp_rank, device):
+    """--eval-iters forward-only steps on the validation split, through the same executor."""
+    import torch
+
+    if data.valid is None:
+        _print0(f"  (no validation split in --split {args.split}; skipping evaluation)")
+        return None
+    for c in chunks:
+        c.eval()
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for k in range(args.eval_iters):
+            batches = _microbatches(args, data.valid, eval_round * args.eval_iters + k, dp_rank)
+            out = fb(forward_step_func=forward_step, data_iterator=_iters(batches, len(chunks)), model=chunks,
+                     num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                     micro_batch_size=args.micro_batch_size, forward_only=True)
+            s, n = reduce_loss(out, device)
+            total, tokens = total + s, tokens + n
+    for c in chunks:
+        c.train()
+    loss = total / max(tokens, 1.0)
+    _print0(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: "
+            f"{math.exp(min(loss, 20)):.6E}")
+    return loss
+
+
+def _gather_pp(value):
+    """`value` of every pipeline rank (first data-parallel replica's view), on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(out, value, group=ps.get_pipeline_model_parallel_group())
+    return out
+
+
+def _memory(peak_act, rss0, device):
+    import torch
+
+    allocated = torch.cuda.max_memory_allocated() if device.type == "cuda" else max(0, max_rss_bytes() - rss0)
+    return _gather_pp({"act": peak_act, "alloc": allocated})
+
+
+def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler):
+    per_rank = _gather_pp(figures)
+    mem = _memory(peak_act, rss0, device)
+    makespan = max(f["end"] for f in per_rank)
+    bubble = 1 - max(f["busy"] for f in per_rank) / makespan if makespan > 0 and any(f["busy"] for f in per_rank) \
+        else None
+    iter_time = window["time"] / max(window["iters"], 1)
+    tokens_per_s = args.global_batch_size * args.seq_length / iter_time
+    tflops = mfu = None
+    if device.type == "cuda":
+        import torch
+
+        tflops = model_flops(args, args.global_batch_size * args.seq_length) / iter_time / \
+            int(os.environ.get("WORLD_SIZE", "1")) / 1e12
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+        mfu = tflops / peak if peak else None
+    lr = scheduler.optimizer.param_groups[0]["lr"]
+    act = [x["act"] for x in mem]
+    alloc = [x["alloc"] for x in mem]
+    mib = lambda xs: "/".join(f"{x / 2**20:.2f}" for x in xs)  # noqa: E731
+    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {iteration * args.global_batch_size:10d}"
+            f" | elapsed time per iteration (ms): {1000 * iter_time:.1f} | learning rate: {lr:.6E}"
+            f" | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E}"
+            f" | grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}")
+    if tflops is not None:
+        line += f" | TFLOP/s/GPU: {tflops:.1f}" + (f" | MFU: {100 * mfu:.1f}%" if mfu is not None else "")
+    line += (f" | bubble: {100 * bubble:.1f}%" if bubble is not None else "") + \
+        f" | peak activations MiB per pp rank: {mib(act)} | peak {'allocated' if device.type == 'cuda' else 'RSS growth'}" \
+        f" MiB: {mib(alloc)}"
+    _print0(line)
+    record = {"iteration": iteration, "train_iters": args.train_iters, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+              "iter_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops, "mfu": mfu,
+              "bubble_rate": bubble, "peak_activation_bytes": act, "peak_allocated_bytes": alloc}
+    _print0("VSHAPE_METRICS " + json.dumps(record))
+    return record
+
+
+def _summary(args, plan, history, peak_act, rss0, device):
+    import torch.distributed as dist
+
+    # Op times from the second iteration on (the first warms up), per rank's share of the model.
+    steady = history[1:] or history
+    chunks = plan.schedule.placement.chunks if plan else 1
+    kinds = {}
+    for h in steady:
+        for kind, value in h["figures"]["kinds"].items():
+            kinds.setdefault(kind, []).append(value)
+    mine = {k: statistics.median(v) for k, v in kinds.items()}
+    per_rank = _gather_pp({"kinds": mine, "bubbles": [(h["figures"]["busy"], h["figures"]["end"]) for h in steady]})
+    mem = _memory(peak_act, rss0, device)
+    bubbles = []
+    for i in range(len(steady)):
+        busy = max(r["bubbles"][i][0] for r in per_rank)
+        end = max(r["bubbles"][i][1] for r in per_rank)
+        if end > 0 and busy > 0:
+            bubbles.append(1 - busy / end)
+    median_time = statistics.median(h["time"] for h in steady) if steady else None
+    tokens_per_s = args.global_batch_size * args.seq_length / median_time if median_time else None
+    tflops = None
+    if device.type == "cuda" and median_time:
+        tflops = model_flops(args, args.global_batch_size * args.seq_length) / median_time / dist.get_world_size() / 1e12
+    summary = {
+        "status": "ok", "schedule": plan.name if plan else "none", "pp": args.pipeline_model_parallel_size,
+        "tp": args.tensor_model_parallel_size, "dp": args.data_parallel_size, "world_size": dist.get_world_size(),
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+        "num_microbatches": args.num_microbatches, "train_iters": args.train_iters,
+        "first_loss": history[0]["loss"] if history else None, "final_loss": history[-1]["loss"] if history else None,
+        "median_iter_time_s": median_time, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+        "peak_activation_bytes": [x["act"] for x in mem], "peak_allocated_bytes": [x["alloc"] for x in mem],
+        "measured_costs": measured_costs([r["kinds"] for r in per_rank]) if plan else None,
+        "measured_bubble_rate": statistics.median(bubbles) if bubbles else None,
+        "config_name": args.config_name,
+        "losses": [h["loss"] for h in history],
+    }
+    _print0("VSHAPE_SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "losses"}))
+    return summary
+
+
+def _quiet() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def main(argv=None) -> int:
+    _quiet()
+    try:
+        args = parse_args(argv)
+        plan = validate(args)
+    except ConfigError as e:
+        print(f"megatron-vshape pretrain: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    import torch.distributed as dist
+
+    try:
+        init_distributed()
+        run(args, plan)
+    except ConfigError as e:
+        print(f"megatron-vshape pretrain: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_RUNTIME
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
