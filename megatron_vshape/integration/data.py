@@ -53,7 +53,7 @@ class Datasets:
 def build_datasets(args, train_samples: int, valid_samples: int) -> Datasets:
     """megatron-core GPT datasets (train, valid) with at least the given numbers of samples."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     tokenizer = build_tokenizer(args)
     config = GPTDatasetConfig(
@@ -61,12 +61,32 @@ def build_datasets(args, train_samples: int, valid_samples: int) -> Datasets:
         split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=args.data_cache_path,
         mmap_bin_files=True)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    cls = _mock_dataset_class() if args.mock_data else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples or None, None],
                                                     lambda: True, config).build()
     if train is None:
         raise ConfigError(f"--split {args.split} leaves no training samples; give the train split a weight")
     return Datasets(train, valid, tokenizer)
+
+
+MOCK_DOCUMENTS = 1000
+
+
+def _mock_dataset_class():
+    """megatron-core's MockGPTDataset over MOCK_DOCUMENTS of its mock documents instead of its
+    hard-coded 100000: indexing those takes 10-30 s per rank on a small CPU machine; the dataset
+    repeats epochs to serve any number of samples."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset, MockGPTLowLevelDataset
+
+    class Documents(MockGPTLowLevelDataset):
+        size = MOCK_DOCUMENTS
+
+    class Mock(MockGPTDataset):
+        @staticmethod
+        def build_low_level_dataset(dataset_path, config):
+            return Documents(config.tokenizer)
+
+    return Mock
 
 
 def microbatches(dataset, iteration: int, global_batch_size: int, dp_rank: int, micro_batch_size: int,

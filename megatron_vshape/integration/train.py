@@ -291,7 +291,8 @@ def build_model(args, placement, device):
 
         for chunk in chunks:
             use_cpu_rotary(chunk)
-    return [chunk.to(device) for chunk in chunks], config
+    # The chunks share a copy of `config` made for the placement: Megatron's hooks go on that one.
+    return [chunk.to(device) for chunk in chunks], chunks[0].config
 
 
 class CpuAdamW:
@@ -497,14 +498,41 @@ def init_parallel(args, placement):
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
 
-def forward_backward_func(args, plan, recorder):
+def forward_backward_func(args, plan, recorder, device):
     if plan is None:
+        if device.type == "cpu":
+            return forward_backward_no_pipelining_cpu
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()
     from ..runtime.executor import get_forward_backward_func
 
     return get_forward_backward_func(plan.schedule, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout)
+
+
+def forward_backward_no_pipelining_cpu(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                                       micro_batch_size, forward_only=False, **_):
+    """megatron-core's forward_backward_no_pipelining (which puts its token count on CUDA), on CPU:
+    megatron's own forward_step and backward_step per microbatch, then finalize_model_grads_func."""
+    import torch
+    from megatron.core.pipeline_parallel.schedules import backward_step
+    from megatron.core.pipeline_parallel.schedules import forward_step as megatron_forward_step
+    from megatron.core.utils import get_model_config, get_model_type
+
+    (model,) = model if isinstance(model, list) else [model]
+    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    config, store = get_model_config(model), []
+    total_tokens = torch.zeros([], dtype=torch.int)
+    for i in range(num_microbatches):
+        output, tokens = megatron_forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store,
+                                               config, cp_group_size=1, is_first_microbatch=i == 0,
+                                               current_microbatch=i, is_last_stage=True)
+        total_tokens += tokens
+        if not forward_only:
+            backward_step(None, output, None, get_model_type(model), config)
+    if not forward_only and config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+    return store
 
 
 class _Recorders:
@@ -550,7 +578,7 @@ def run(args, plan) -> dict:
     chunks, config = build_model(args, placement, device)
     chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
     recorders = _Recorders()
-    fb = forward_backward_func(args, plan, recorders)
+    fb = forward_backward_func(args, plan, recorders, device)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
     data = _build_data(args, evals)
@@ -743,9 +771,10 @@ def _summary(args, plan, history, peak_act, rss0, device):
         "measured_costs": measured_costs([r["kinds"] for r in per_rank]) if plan else None,
         "measured_bubble_rate": statistics.median(bubbles) if bubbles else None,
         "config_name": args.config_name,
-        "losses": [h["loss"] for h in history],
     }
-    _print0("VSHAPE_SUMMARY " + json.dumps({k: v for k, v in summary.items() if k != "losses"}))
+    _print0("VSHAPE_SUMMARY " + json.dumps(summary))
+    summary["losses"] = [h["loss"] for h in history]
+    summary["grad_norms"] = [h["grad_norm"] for h in history]
     return summary
 
 
