@@ -75,22 +75,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take before it is killed")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     schedules = [s.strip() for s in a.schedules.split(",") if s.strip()]
-    try:
-        overrides = grid.parse_flags(extra)
-        runs, errors = [], []
-        for config in a.configs:
-            base = grid.load_config(config)
-            base.update(overrides)
-            nproc = a.nproc or int(base.get("pipeline_model_parallel_size") or 1)
-            for schedule in schedules:
-                args = dict(base, pipeline_schedule=schedule, world_size=nproc, data_parallel_size=None)
-                try:
-                    grid.validate_pipeline_args(argparse.Namespace(**args))
-                    runs.append((config, schedule, nproc))
-                except grid.ConfigError as e:
-                    errors.append(f"{config.name} {schedule}: {e}")
-    except grid.ConfigError as e:
-        errors = [str(e)]
+    runs, errors = [], []
+    for config in a.configs:
+        for schedule in schedules:
+            try:
+                args = grid.driver_args(config, schedule, extra)
+                nproc = a.nproc or args.pipeline_model_parallel_size * args.tensor_model_parallel_size
+                grid.validate_run(args, nproc, None)
+                runs.append((config, schedule, nproc))
+            except grid.ConfigError as e:
+                errors.append(f"{config.name} {schedule}: {e}")
     if errors:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)

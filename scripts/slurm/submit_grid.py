@@ -13,8 +13,9 @@ pp, or each --microbatches); GPUs = tp x pp x dp, on ceil(GPUs / --gpus-per-node
 line naming it, so the report lists a run that died before printing anything as FAILED.
 Flags after `--` go to every run's pretrain_gpt.py (they override the config file).
 
-Validation happens before any sbatch, with the driver's own checks
-(`megatron_vshape.integration.args.validate_pipeline_args`, the same the ranks run at start-up):
+Validation happens before any sbatch, with the driver's own parsing (`integration.train.parse_args`:
+config keys, flag values, defaults) and pipeline checks (`integration.args.validate_pipeline_args`,
+the same the ranks run at start-up):
 layers that do not split into the schedule's stages, a global batch that is not a multiple of
 micro-batch x data-parallel size, too few microbatches for a schedule, and a job with fewer GPUs
 than tp x pp needs.  Any bad run: one line per problem naming the value and the fix, exit 2,
@@ -39,47 +40,28 @@ GRID_SCHEDULES = ("1f1b", "1f1b-interleaved", "v-min", "v-half", "v-zb")
 sys.path.insert(0, str(ROOT))
 
 from megatron_vshape.integration.args import validate_pipeline_args  # noqa: E402
+from megatron_vshape.integration.train import parse_args  # noqa: E402
 from megatron_vshape.schedule.errors import ConfigError  # noqa: E402
 
 
-def load_config(path: Path) -> Dict[str, object]:
-    """A --config YAML as flag names with underscores (the file may use dashes or underscores)."""
-    import yaml
-
+def driver_args(config: Path, schedule: str, passthrough: List[str]) -> argparse.Namespace:
+    """The Namespace the driver itself will parse from this run's command line (config file, then
+    flags), with the driver's defaults, so submit-time validation sees exactly what the ranks see."""
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"--configs {path}: no such file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--configs {path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--configs {path}: expected a mapping of flag names to values")
-    return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+        return parse_args(["--config", str(config), "--pipeline-schedule", schedule, *passthrough])
+    except SystemExit:  # argparse already printed the driver's one-line error
+        raise ConfigError(f"the driver refuses these flags for {config.name} (see the line above)") from None
 
 
-def parse_flags(tokens: List[str]) -> Dict[str, object]:
-    """`--flag value` / `--flag` (true) pairs as the driver reads them, for validation only (the
-    tokens themselves are passed to the driver unchanged)."""
-    out, i = {}, 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise ConfigError(f"driver flag {tok!r} after -- does not start with --; write --flag value")
-        name, _, value = tok[2:].partition("=")
-        if not value and (i + 1 < len(tokens) and not tokens[i + 1].startswith("--")):
-            value, i = tokens[i + 1], i + 1
-        out[name.replace("-", "_")] = _number(value) if value else True
-        i += 1
-    return out
-
-
-def _number(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+def validate_run(args: argparse.Namespace, world: int, global_batch: Optional[int]):
+    """The driver's pipeline validation for `world` processes; returns its PipelinePlan."""
+    if global_batch is not None:
+        args.global_batch_size = global_batch
+    args.world_size, args.data_parallel_size = world, None  # dp = world / (tp x pp x cp), as Megatron derives it
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * (world // max(1, args.tensor_model_parallel_size *
+                                                                        args.pipeline_model_parallel_size))
+    return validate_pipeline_args(args)
 
 
 @dataclass
@@ -97,16 +79,11 @@ class Run:
         return f"{self.name}.out"
 
 
-def plan_run(config: Path, schedule: str, m: Optional[int], per_pp: Optional[int], overrides: Dict[str, object],
-             a) -> Run:
+def plan_run(config: Path, schedule: str, m: Optional[int], per_pp: Optional[int], passthrough: List[str], a) -> Run:
     """Resolve one grid point to the driver's arguments and a job shape; raise ConfigError if it cannot run."""
-    args = load_config(config)
-    args.update(overrides)
-    args["pipeline_schedule"] = schedule
-    pp = int(args.get("pipeline_model_parallel_size") or 1)
-    tp = int(args.get("tensor_model_parallel_size") or 1)
-    cp = int(args.get("context_parallel_size") or 1)
-    mbs = int(args.get("micro_batch_size") or 1)
+    args = driver_args(config, schedule, passthrough)
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    cp = getattr(args, "context_parallel_size", None) or 1
     needed = tp * pp * cp * a.dp
     nodes = a.nodes or max(1, math.ceil(needed / a.gpus_per_node))
     world = nodes * a.gpus_per_node
@@ -124,14 +101,9 @@ def plan_run(config: Path, schedule: str, m: Optional[int], per_pp: Optional[int
                           f"split into tp x pp x cp = {tp * pp * cp}; use a multiple of {tp * pp * cp} GPUs")
     if per_pp is not None:
         m = per_pp * pp
-    if m is not None:
-        args["global_batch_size"] = m * mbs * a.dp
-    args.setdefault("global_batch_size", mbs * a.dp)
-    args["world_size"] = world
-    args["data_parallel_size"] = None  # derived from world size, as Megatron does
-    plan = validate_pipeline_args(argparse.Namespace(**args))
+    plan = validate_run(args, world, None if m is None else m * args.micro_batch_size * a.dp)
     m = plan.num_microbatches
-    return Run(config, schedule, m, args, nodes, world, f"{Path(config).stem}__{schedule}__m{m}")
+    return Run(config, schedule, m, vars(args), nodes, world, f"{Path(config).stem}__{schedule}__m{m}")
 
 
 def driver_argv(run: Run, passthrough: List[str]) -> List[str]:
@@ -196,8 +168,7 @@ def main(argv=None) -> int:
             counts = [(None, k) for k in _ints(a.microbatches_per_pp, "--microbatches-per-pp")]
         elif a.microbatches:
             counts = [(m, None) for m in _ints(a.microbatches, "--microbatches")]
-        overrides = parse_flags(passthrough)
-        if "global_batch_size" in overrides and (a.microbatches or a.microbatches_per_pp):
+        if any(t.split("=")[0] == "--global-batch-size" for t in passthrough) and (a.microbatches or a.microbatches_per_pp):
             raise ConfigError("--global-batch-size after -- and --microbatches/--microbatches-per-pp both set the "
                               "global batch; pass one of them")
     except ConfigError as e:
@@ -208,7 +179,7 @@ def main(argv=None) -> int:
         for schedule in schedules:
             for m, per_pp in counts:
                 try:
-                    runs.append(plan_run(config, schedule, m, per_pp, overrides, a))
+                    runs.append(plan_run(config, schedule, m, per_pp, passthrough, a))
                 except ConfigError as e:
                     text = str(e)
                     errors.append(text if text.startswith(config.name) else f"{config.name} {schedule}: {text}")
