@@ -301,7 +301,7 @@ def plot(runs: List[Run], path: Path) -> Optional[Path]:
     groups = list(dict.fromkeys(r.group for r in runs))
     schedules = list(dict.fromkeys(r.schedule or "?" for r in runs))
     label = {g: f"{g[0]}\npp={g[1]} m={g[4]}" for g in groups}
-    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 2.2 * len(groups) + 4), 3.6), dpi=80)
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 2.2 * len(groups) + 4), 3.8), dpi=80)
     width = 0.8 / max(1, len(schedules))
     panels = ((axes[0], "tokens_per_s", "throughput (tokens/s)", 1.0),
               (axes[1], "peak_activation_bytes", "peak activation memory (MiB, max over ranks)", MiB))
@@ -325,8 +325,9 @@ def plot(runs: List[Run], path: Path) -> Optional[Path]:
         ax.set_xticks(range(len(groups)), [label[g] for g in groups], fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="y", labelsize=8)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(schedules), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -2,7 +2,7 @@
 """The comparison sweep on this machine's CPU, no SLURM: each schedule trains the tiny config
 through torchrun (gloo), one run after another, then scripts/bench/report.py tabulates and plots.
 
-    .venv/bin/python scripts/bench/sweep_cpu.py                      # tiny-cpu.yaml, 4 processes
+    .venv/bin/python scripts/bench/sweep_cpu.py      # tiny-cpu.yaml (4 processes), tiny-cpu-pp2.yaml (2)
     .venv/bin/python scripts/bench/sweep_cpu.py --configs configs/tiny/tiny-cpu-pp2.yaml \
         --schedules 1f1b,v-half --out out/sweep-pp2 -- --train-iters 20
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
-DEFAULT_CONFIG = ROOT / "configs" / "tiny" / "tiny-cpu.yaml"
+DEFAULT_CONFIGS = [ROOT / "configs" / "tiny" / "tiny-cpu.yaml", ROOT / "configs" / "tiny" / "tiny-cpu-pp2.yaml"]
 SCHEDULES = ("1f1b", "1f1b-interleaved", "v-min", "v-half", "v-zb")
 
 
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description="Train the tiny config under each schedule on CPU, then report.",
                                  epilog="Flags after -- go to every run's scripts/pretrain_gpt.py.")
-    ap.add_argument("--configs", nargs="+", type=Path, default=[DEFAULT_CONFIG])
+    ap.add_argument("--configs", nargs="+", type=Path, default=DEFAULT_CONFIGS,
+                    help="config YAML files (default: the tiny GPT at pp=4 and at pp=2)")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--nproc", type=int, default=None, help="processes per run (default: the config's pp)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "sweep-cpu")
