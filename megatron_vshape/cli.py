@@ -297,11 +297,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_megatron_notices()  # megatron-core's "Apex is not installed" notices, nothing else
     if argv[:1] == ["pretrain"]:  # its own parser: Megatron-LM's flag names
         from .integration.train import main as pretrain
 
         return pretrain(argv[1:])
-    quiet_megatron_notices()  # megatron-core's "Apex is not installed" notices, nothing else
     ap = parser()
     args, extra = ap.parse_known_args(argv)  # bad values: one line, exit 2 (argtypes.Parser)
     prog = f"megatron-vshape {args.command}"
