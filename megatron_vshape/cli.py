@@ -244,6 +244,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Recorded op times (Recorder.dump, one file per rank or a list) -> a stage-costs file."""
+    from .runtime.replan import from_recorders, load_stats
+
+    stats = load_stats(args.stats)
+    table = from_recorders(stats, args.stages)
+    out = {"stage_costs": [c.to_dict() for c in table], "unit": "seconds",
+           "source": [str(p) for p in args.stats], "ops_recorded": sum(len(r["ops"]) for r in stats)}
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    rows = [[str(s), f"{c.F * 1e3:.4g}", f"{c.B * 1e3:.4g}", f"{c.W * 1e3:.4g}", f"{c.size:.3g}"] for s, c in enumerate(table)]
+    print(format_table(["stage", "F ms", "B ms", "W ms", "size"], rows))
+    print(f"wrote {args.output} ({len(table)} stages, from {out['ops_recorded']} recorded ops)")
+    return 0
+
+
 def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
     if schedule:
         p.add_argument("--schedule", required=True, help="one of: " + ", ".join(registry.names()))
@@ -283,6 +303,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, default="json")
     p.add_argument("--output", required=True, metavar="PATH", type=output_path())
     p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("profile", help="recorded op times (runtime.stats.Recorder.dump) -> a stage-costs file")
+    p.add_argument("stats", nargs="+", metavar="STATS", help="JSON from Recorder.dump, one per rank (or a list of them)")
+    p.add_argument("--output", required=True, metavar="PATH", help="stage-costs file to write (what --stage-costs reads)")
+    p.add_argument("--stages", type=int, help="stages of the schedule (default: the highest recorded stage + 1)")
+    p.set_defaults(run=cmd_profile)
 
     # verify_cmd imports torch only inside run(), so the planner stays torch-free.
     p = sub.add_parser("verify", help="run a schedule on a tiny GPT across ranks; compare losses, gradients, memory")

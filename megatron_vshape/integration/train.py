@@ -596,7 +596,10 @@ def run(args, plan) -> dict:
     peak_act = 0
     window = {"time": 0.0, "iters": 0}
     eval_round = 0
+    replanned = None
     for it in range(start_iter, args.train_iters):
+        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
+            replanned = _replan(fb, it)
         batches = _microbatches(args, data.train, it, dp_rank)
         optimizer.zero_grad()
         for c in chunks:
@@ -632,7 +635,20 @@ def run(args, plan) -> dict:
             ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
                                  extra={"consumed_samples": (it + 1) * args.global_batch_size})
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
-    return _summary(args, plan, history, peak_act, rss0, device)
+    summary = _summary(args, plan, history, peak_act, rss0, device)
+    summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
+    return summary
+
+
+def _replan(fb, iteration: int) -> dict:
+    """--pipeline-replan-after N: every rank re-plans from the op times of the last iteration
+    (one collective; the same schedule everywhere); the order changes, the numbers do not."""
+    new = fb.replan()
+    changed = new.meta["order_changed"]
+    _print0(f"  re-planned {new.name} at iteration {iteration} from the measured op times: order "
+            f"{'changed' if changed else 'unchanged (the plan for these costs is the same)'}")
+    return {"iteration": iteration, "schedule": new.name, "order_changed": changed,
+            "stage_costs": [c.to_dict() for c in new.stage_costs or ()]}
 
 
 def _build_data(args, eval_samples):

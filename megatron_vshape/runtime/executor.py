@@ -61,15 +61,26 @@ class _Executor:
                  schedule_options: Optional[dict] = None):
         self.schedule, self.costs, self.p2p_timeout, self.stats = schedule, costs, p2p_timeout, stats
         self.schedule_options = dict(schedule_options or {})
+        self.stage_costs = None  # measured per-stage costs once replan() has run
+        self._last_step: Optional[tuple] = None  # (pp, microbatches, rank, device) of the latest training step
         self._cache: Dict[Tuple[int, int, bool, int], tuple] = {}
         self.__name__ = f"forward_backward_{getattr(schedule, 'name', schedule)}"
+
+    def replan(self, group=None, hop_latency: float = 0.0) -> Schedule:
+        """Re-plan from this executor's measured op times (`stats`); collective over `group`
+        (default: the world), so every rank calls it at the same step.  Returns the new schedule,
+        which every rank shares; later steps run it.  See runtime.replan."""
+        from .replan import replan_executor
+
+        return replan_executor(self, group, hop_latency)
 
     # The schedule and its per-rank plan, generated identically on every rank and cached.
     def _plan(self, pp: int, m: int, forward_only: bool, rank: int):
         key = (pp, m, forward_only, rank)
         if key not in self._cache:
             if isinstance(self.schedule, str):
-                sched = registry.build(self.schedule, pp, m, self.costs, **self.schedule_options)
+                measured = {} if self.stage_costs is None else {"stage_costs": self.stage_costs}
+                sched = registry.build(self.schedule, pp, m, self.costs, **measured, **self.schedule_options)
             else:
                 sched = self.schedule
                 if sched.pp != pp or sched.microbatches != m:
@@ -168,6 +179,8 @@ class _Step:
         self.loss_rank = self.placement.rank_of(self.S - 1)
         params = next(self.model[0].parameters())
         self.device = params.device
+        if not forward_only:
+            ex._last_step = (self.pp, m, self.rank, self.device)
         dtype = self.config.pipeline_dtype or params.dtype
         shape = tensor_shape(seq_length, micro_batch_size, self.config.hidden_size, self.cp_size,
                              tp_group.size() if tp_group is not None else 1, self.config.sequence_parallel)

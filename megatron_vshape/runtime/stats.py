@@ -41,6 +41,9 @@ class Recorder:
         self.peak_bytes = 0
         self._live: Dict[int, List[int]] = {}  # storage ptr -> [nbytes, holders]
         self._params: set = set()
+        # stage -> bytes saved for backward by each of its F ops (alive at the F's end): the
+        # per-stage activation sizes re-planning uses (runtime.replan).
+        self.saved_by_stage: Dict[int, List[int]] = {}
 
     def exclude_parameters(self, params: Iterable[torch.Tensor]) -> None:
         self._params.update(p.untyped_storage().data_ptr() for p in params)
@@ -84,12 +87,27 @@ class Recorder:
     # -- time ----------------------------------------------------------------------------
     @contextmanager
     def op(self, kind: str, microbatch: int, stage: int, device: torch.device) -> Iterator[None]:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), self.current_bytes
         yield
         if device.type != "cpu":  # accelerator kernels run asynchronously: wait so the end time is real
             torch.accelerator.synchronize(device)
         self.ops.append((kind, microbatch, stage, start, time.perf_counter()))
+        if kind == "F":
+            self.saved_by_stage.setdefault(stage, []).append(self.current_bytes - before)
+
+    def clear(self) -> None:
+        """Forget recorded op times and sizes (e.g. after a warm-up step); memory tracking goes on."""
+        self.ops.clear()
+        self.saved_by_stage.clear()
 
     def to_dict(self) -> dict:
-        """Picklable summary (what a launched rank returns)."""
-        return {"ops": list(self.ops), "peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes}
+        """Picklable summary (what a launched rank returns, and what Recorder.dump writes)."""
+        return {"ops": list(self.ops), "peak_bytes": self.peak_bytes, "current_bytes": self.current_bytes,
+                "saved_by_stage": {s: list(v) for s, v in self.saved_by_stage.items()}}
+
+    def dump(self, path: str) -> None:
+        """Write `to_dict()` as JSON: one rank's input to `megatron-vshape profile`."""
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
