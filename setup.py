@@ -15,6 +15,9 @@ setup(
         "optimal": ["ortools==9.15.6755"],
         # GPU clusters only: Transformer Engine and apex are imported lazily when present.
         "te": ["transformer-engine[pytorch]>=2.3"],
+        # What Megatron-LM's megatron.training (core_v0.16.1) imports beyond megatron-core, pinned as tested;
+        # triton only because its initialize.py imports the batch-invariant kernels unconditionally.
+        "megatron-lm": ["six==1.17.0", "regex==2024.11.6", "pyyaml==6.0.2", "pydantic==2.11.7", "triton==3.9.0"],
     },
     entry_points={"console_scripts": ["megatron-vshape=megatron_vshape.cli:main"]},
 )

@@ -1,0 +1,205 @@
+"""Against a real Megatron-LM checkout (MEGATRON_LM_PATH, tag core_v0.16.1), on CPU with gloo.
+
+Megatron-LM's pretrain() cannot run on a CPU-only machine: initialize_megatron asserts
+torch.cuda.is_available(), _initialize_distributed creates the model-parallel groups only when
+torch.cuda.device_count() > 0, pretrain/get_model/DDP/the data loaders put tensors on 'cuda'.  So these
+tests run Megatron-LM's own pieces that decide the pipeline, with install() applied, and step around
+exactly these CUDA calls in the TEST (never in the hook): device_count reads 1 while the groups are
+made, current_device names the CPU while the model is placed and batches are broadcast, the CUDA RNG seeding and the C++/fused-kernel compilation are skipped, Module.cuda/Tensor.cuda
+keep tensors on CPU.  What runs is Megatron-LM's code: its parser and validate_args, initialize_megatron
+with pretrain_gpt.get_embedding_ranks, get_model with pretrain_gpt's model_provider and gpt_builder
+(layer spec from --spec), pretrain_gpt.forward_step / get_batch / loss_func, and the schedule.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lm_runs import REPO, reference_losses, run_launcher
+
+MLM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(
+    not MLM or not (Path(MLM) / "pretrain_gpt.py").is_file(),
+    reason="MEGATRON_LM_PATH is not set to a Megatron-LM checkout (core_v0.16.1) holding pretrain_gpt.py")
+
+LAYERS, HIDDEN, HEADS, SEQ, MBS, M, STEPS, LR = 4, 32, 4, 16, 2, 4, 2, 0.1
+ARGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+        "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MBS),
+        "--global-batch-size", str(MBS * M), "--train-iters", "2", "--lr", str(LR), "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1",
+        "--transformer-impl", "local", "--spec", "megatron_lm_cpu_spec", "LAYER", "--distributed-backend", "gloo",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--use-cpu-initialization", "--rerun-mode", "disabled", "--pipeline-model-parallel-size", "2"]
+
+
+def _rank(rank, world, argv, mlm, steps, lr):
+    import contextlib
+    from functools import partial
+    from unittest import mock
+
+    import torch
+
+    sys.path[:0] = [mlm, str(Path(__file__).parent)]
+    import megatron_vshape
+
+    megatron_vshape.install()
+    import pretrain_gpt  # Megatron-LM's, imported after install() as the patch does
+    from gpt_builders import gpt_builder
+    from model_provider import model_provider
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+    from megatron.training import get_args
+    from megatron.training import training
+    from megatron_vshape.integration.megatron_lm import current_plan
+    from megatron_vshape.runtime.chunks import global_named_parameters
+    from megatron_vshape.testing.tiny_gpt import TinyGPT, batch, load_weights, microbatch_loss, sgd_step
+
+    sys.argv = ["pretrain_gpt.py", *argv]
+    with mock.patch("torch.cuda.device_count", return_value=1), \
+            mock.patch.object(tensor_parallel, "model_parallel_cuda_manual_seed"), \
+            mock.patch("megatron.training.initialize._compile_dependencies"):
+        training.initialize_megatron(allow_no_cuda=True, args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                                     get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
+    args = get_args()
+    cpu = mock.patch.object(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    with cpu, mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self), \
+            mock.patch("torch.cuda.current_device", return_value="cpu"):
+        model = training.get_model(partial(model_provider, gpt_builder), ModelType.encoder_or_decoder,
+                                   wrap_with_ddp=False)
+        load_weights(model, 1234)
+        tiny = TinyGPT(num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.padded_vocab_size,
+                       seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+        forward_backward = training.get_forward_backward_func()
+        rerun = get_rerun_state_machine()
+        losses = []
+        for step in range(steps):
+            for chunk in model:
+                chunk.zero_grad(set_to_none=True)
+            iters = [RerunDataIterator(iter([batch(tiny, step, i) for i in range(M)])) for _ in model]
+            while rerun.should_run_forward_backward(iters):  # as Megatron-LM's train_step calls it
+                out = forward_backward(forward_step_func=pretrain_gpt.forward_step, data_iterator=iters, model=model,
+                                       num_microbatches=M, seq_length=args.seq_length,
+                                       micro_batch_size=args.micro_batch_size, decoder_seq_length=None,
+                                       forward_only=False, adjust_tensor_shapes_fn=None, force_all_reduce=False)
+            losses.append([microbatch_loss(d) for d in out] if out else None)
+            sgd_step(model, lr)
+    embd = parallel_state.get_embedding_group(check_initialized=False)
+    return {
+        "plan": current_plan().name, "vp": args.virtual_pipeline_model_parallel_size,
+        "padded_vocab": args.padded_vocab_size, "fb": getattr(forward_backward, "__name__", ""),
+        "chunks": [{"pre": c.pre_process, "post": c.post_process,
+                    "layers": [l.layer_number for l in c.decoder.layers],
+                    "output_weight_owned": c.post_process and c.output_layer.weight is not None} for c in model],
+        "tied_is_embedding": (model[1].shared_embedding_or_output_weight() is model[0].embedding.word_embeddings.weight
+                              if rank == 0 else None),
+        "embedding_group": torch.distributed.get_process_group_ranks(embd) if embd is not None else None,
+        "losses": losses if rank == world - 1 else None,
+        "params": sorted(n for c in model for n, _ in global_named_parameters(c)),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_v_half_in_megatron_lm_pieces_matches_unpipelined_model():
+    from megatron_vshape.integration.launch import launch
+    from megatron_vshape.testing.tiny_gpt import TinyGPT
+
+    r0, r1 = launch(_rank, 2, args=(ARGS + ["--pipeline-schedule", "v-half"], MLM, STEPS, LR), timeout=280)
+    assert (r0["plan"], r0["vp"], r0["fb"]) == ("v-half", 2, "forward_backward_v-half")
+    # Megatron-LM's get_model under the hook: rank 0 holds stages 0 and 3 (embedding and loss), rank 1 stages 1, 2.
+    assert [(c["pre"], c["post"], c["layers"]) for c in r0["chunks"]] == [(True, False, [1]), (False, True, [4])]
+    assert [(c["pre"], c["post"], c["layers"]) for c in r1["chunks"]] == [(False, False, [2]), (False, False, [3])]
+    assert r0["tied_is_embedding"] is True and r0["chunks"][1]["output_weight_owned"] is False
+    assert r0["embedding_group"] == [0]
+    assert sorted(r0["params"] + r1["params"]) == sorted(set(r0["params"] + r1["params"]))  # each once
+    tiny = TinyGPT(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=r0["padded_vocab"],
+                   seq_length=SEQ, micro_batch_size=MBS, tied_embeddings=True)
+    ref = reference_losses(tiny, M, STEPS, LR)  # token-weighted per step
+    from megatron_vshape.testing.tiny_gpt import batch
+
+    got = []
+    for step, per_mb in enumerate(r1["losses"]):
+        tokens = [float(batch(tiny, step, i)["loss_mask"].sum()) for i in range(M)]
+        got.append(sum(l * t for l, t in zip(per_mb, tokens)) / sum(tokens))
+    print(f"Megatron-LM pieces, v-half pp=2: losses {got}; without pipelining {ref}")
+    assert got == pytest.approx(ref, rel=1e-6, abs=1e-6)
+
+
+VALIDATE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import megatron_vshape
+megatron_vshape.install()
+from megatron.training import initialize
+from megatron_vshape import ConfigError
+cases, base = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+for extra in cases:
+    sys.argv = ["pretrain_gpt.py", *base, *extra]
+    try:
+        args = initialize.parse_args(None, False)
+        initialize.validate_args(args, {})
+        print("RESULT VP", args.virtual_pipeline_model_parallel_size, args.pipeline_schedule, flush=True)
+    except ConfigError as e:
+        print("RESULT CONFIGERROR", e, flush=True)
+"""
+CASES = [
+    (["--pipeline-schedule", "v-zb"], "VP 2 v-zb"),
+    (["--pipeline-schedule", "1f1b-interleaved", "--num-virtual-stages-per-pipeline-rank", "2"], "VP 2 1f1b-interleaved"),
+    (["--pipeline-schedule", "zb-h1"], "VP None zb-h1"),
+    ([], "VP None None"),
+    (["--pipeline-schedule", "v-half", "--num-layers", "6"],
+     "CONFIGERROR --num-layers=6 is not divisible by 2*pp=4; use --num-layers=8"),
+    (["--pipeline-schedule", "v-half", "--decoder-first-pipeline-num-layers", "2"],
+     "CONFIGERROR --pipeline-schedule v-half does not take --decoder-first-pipeline-num-layers=2"),
+    (["--pipeline-schedule", "v-min", "--num-virtual-stages-per-pipeline-rank", "3"],
+     "CONFIGERROR --pipeline-schedule v-min holds 2 stage(s) per rank but the virtual pipeline size is 3"),
+]
+
+
+@pytest.fixture(scope="module")
+def validated():
+    """Megatron-LM's own parse_args and validate_args (no CUDA needed there) through install()'s wrappers,
+    once per case in one process (importing Megatron-LM is the slow part)."""
+    import json
+
+    run = subprocess.run([sys.executable, "-c", VALIDATE, MLM, json.dumps([c for c, _ in CASES]), json.dumps(ARGS)],
+                         cwd=REPO, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, RANK="0", WORLD_SIZE="2",
+                                  PYTHONPATH=os.pathsep.join([str(REPO), str(Path(__file__).parent)])))
+    results = [l[len("RESULT "):] for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(results) == len(CASES), (run.stdout[-2000:], run.stderr[-3000:])
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(c) or "no-schedule" for c, _ in CASES])
+def test_megatron_lm_parse_and_validate_args_with_the_hook(validated, case):
+    assert validated[case].startswith(CASES[case][1])
+
+
+@pytest.mark.timeout(200)
+def test_real_pretrain_gpt_refuses_a_bad_layer_count_at_argument_time():
+    """The launcher with Megatron-LM's real pretrain_gpt.py: ConfigError from Megatron-LM's own parse step."""
+    args = ARGS.copy()
+    args[1] = "6"
+    run = run_launcher(Path(MLM) / "pretrain_gpt.py", args + ["--pipeline-schedule", "v-min"], nproc=0, timeout=180,
+                       env={"RANK": "0", "WORLD_SIZE": "2"}, extra_path=str(Path(__file__).parent))
+    # On a machine without CUDA, Megatron-LM's initialize_megatron asserts CUDA before it parses arguments.
+    import torch
+
+    if not torch.cuda.is_available():
+        assert run.returncode != 0 and "Megatron requires CUDA" in run.stderr, run.stderr[-2000:]
+        pytest.skip("Megatron-LM's initialize_megatron asserts torch.cuda.is_available() before parsing arguments")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--num-layers=6 is not divisible by 2*pp=4" in run.stderr
+
+
+def test_patch_applies_to_pretrain_gpt():
+    patch = REPO / "patches" / "megatron-lm-core_v0.16.1-pretrain_gpt.patch"
+    run = subprocess.run(["git", "apply", "--check", "-p1", str(patch)], cwd=MLM, capture_output=True, text=True)
+    if run.returncode and "already" not in run.stderr:
+        applied = "megatron_vshape.install()" in (Path(MLM) / "pretrain_gpt.py").read_text()
+        assert applied, run.stderr
