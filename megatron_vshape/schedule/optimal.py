@@ -156,8 +156,9 @@ def solve(problem: Problem, time_limit: float = 10.0, hint: Optional[Schedule] =
     """Minimise the makespan of `problem` within `time_limit` seconds of solver time.
 
     `hint` (a schedule of the same problem, e.g. today's generator) starts the search and,
-    when it fits the cap, bounds the horizon.  Deterministic for fixed workers and seed when
-    the solve finishes (the proof does not depend on timing; a timed-out solve may)."""
+    when it fits the cap, bounds the horizon.  A proven optimum's makespan does not depend on
+    timing; which optimal order comes back may, with several workers (re-planning inside the
+    runtime uses the planner, never this)."""
     require_ortools()
     from ortools.sat.python import cp_model
 
