@@ -507,7 +507,11 @@ def forward_backward_func(args, plan, recorder, device):
         return get_forward_backward_func()
     from ..runtime.executor import get_forward_backward_func
 
-    return get_forward_backward_func(plan.schedule, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout)
+    if plan.reason is not None:  # auto's choice, built under the memory budget: run it as built
+        return get_forward_backward_func(plan.schedule, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout)
+    # By name, so that the executor can re-plan it from measured op times (--pipeline-replan-after).
+    return get_forward_backward_func(plan.name, plan.costs, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout,
+                                     schedule_options=plan.options)
 
 
 def forward_backward_no_pipelining_cpu(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
