@@ -41,11 +41,16 @@ LAYER_SPLIT_FLAGS = (
 
 def fastest_within_available():
     """The planner's `fastest_within(pp, microbatches, costs, memory_budget, stage_costs=None)`, or None."""
-    try:
-        from ..schedule.search import fastest_within
-    except ImportError:
-        return None
-    return fastest_within
+    import importlib
+
+    for module in ("choose", "search"):
+        try:
+            found = getattr(importlib.import_module(f"..schedule.{module}", __package__), "fastest_within", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def schedule_choices():

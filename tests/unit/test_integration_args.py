@@ -92,3 +92,18 @@ def test_non_v_layer_split_follows_megatrons_rule():
     assert plan.name == "1f1b"
     with pytest.raises(ConfigError, match="divide evenly"):
         validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=9, decoder_first_pipeline_num_layers=2))
+
+
+def test_auto_is_offered_exactly_when_the_planner_can_choose():
+    from megatron_vshape.integration.args import fastest_within_available, schedule_choices
+
+    available = fastest_within_available() is not None
+    assert ("auto" in schedule_choices()) == available
+    if not available:
+        return
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", "0.6",
+                                        "--pipeline-costs", "2,2.2,1.6,0.05"))
+    assert plan.reason and plan.name in plan.reason and plan.name in registry.names()
+    assert max(__import__("megatron_vshape.schedule.simulate", fromlist=["x"]).simulate(plan.schedule).peak_vs_1f1b) <= 0.6 + 1e-9
+    with pytest.raises(ConfigError, match="--pipeline-memory-budget"):
+        validate_pipeline_args(_args("--pipeline-schedule", "auto"))
