@@ -253,13 +253,8 @@ def transformer_config(args, device):
         init_method_std=args.init_method_std, use_cpu_initialization=not gpu,
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        delay_wgrad_compute=args.transformer_impl == "transformer_engine" and _splits(args),
+        # Not delay_wgrad_compute: megatron-core 0.16 allows it only with MoE expert-parallel overlap.
     )
-
-
-def _splits(args) -> bool:
-    plan = getattr(args, "plan", None)
-    return bool(plan and plan.schedule.split_backward)
 
 
 def _layer_spec(args, device):
@@ -390,8 +385,20 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # Float16Module upcasts the output of "the last stage" by parallel_state, which on the V is
+    # rank p-1's stage p (a hidden state that must keep the pipeline dtype): keep outputs as computed.
+    kwargs = {"fp32_output": False} if _half_precision(model) else {}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **kwargs)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _half_precision(model) -> bool:
+    """Whether megatron-core's Float16Module is among the chunk's wrappers (DDP -> Float16Module -> GPTModel)."""
+    while model is not None:
+        if type(model).__name__ == "Float16Module":
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def reduce_loss(loss_dicts, device):
