@@ -48,7 +48,7 @@ def ensure_installed(log=print) -> Optional[str]:
     if shutil.which("apt-get") is None:
         return f"SLURM is not installed ({', '.join(missing_binaries())} missing) and there is no apt-get"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    install = ["apt-get", "install", "-y", "-q", *PACKAGES]  # with recommends: the set these tests ran with
     log(f"installing {' '.join(PACKAGES)} with apt-get")
     out = subprocess.run(install, env=env, capture_output=True, text=True)
     if out.returncode != 0:
