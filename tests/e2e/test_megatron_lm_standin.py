@@ -60,3 +60,17 @@ def test_importing_the_package_loads_neither_torch_nor_megatron():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(300)
+def test_v_min_tp2_pp2_gives_rank_0_every_field_over_tensor_parallelism(reference):
+    """tp=2: TP rank 0 reads the data and broadcasts what the pipeline rank needs; V's rank 0 is first
+    and last stage at once, so its TP peers need labels and loss mask too (get_batch_on_this_tp_rank hook)."""
+    run = run_launcher(STANDIN, MODEL + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                         "--pipeline-schedule", "v-min"], nproc=4, timeout=280)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "forward-backward function: forward_backward_v-min" in run.stdout
+    got = losses(run.stdout)
+    assert len(got) == ITERS, run.stdout[-3000:]
+    # Tensor parallelism sums partial products in another order than the tp=1 reference.
+    assert got == pytest.approx(reference, rel=1e-5)

@@ -75,7 +75,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     print_rank_0(f"forward-backward function: {getattr(forward_backward_func, '__name__', forward_backward_func)}")
     for iteration in range(1, args.train_iters + 1):
         loss = train_step(forward_step_func, train_data_iterator, model, optimizer, config, forward_backward_func)
-        if loss:
+        if loss and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:  # print_rank_last
             print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss['lm loss']!r} |", flush=True)
     torch.distributed.barrier()
     mpu.destroy_model_parallel()
