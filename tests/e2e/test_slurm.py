@@ -78,6 +78,8 @@ def _submit_grid(*args, env=None, cwd=ROOT):
                           capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+# Bounds above pytest.ini's 300 s: the first test also pays for installing SLURM on a fresh machine.
+@pytest.mark.timeout(600)
 def test_tiny_config_trains_across_two_nodes(cluster, tmp_path):
     t0 = time.monotonic()
     out = _submit_grid("--configs", str(TINY), "--schedules", "v-half", "--gpus-per-node", "2", "--no-gpus",
@@ -117,6 +119,7 @@ def _rank_pid(job: str, rank: int):
     return None
 
 
+@pytest.mark.timeout(600)
 def test_a_dead_rank_fails_the_job_and_the_report(cluster, tmp_path):
     log = tmp_path / "dies.out"
     env = _job_env(cluster)
