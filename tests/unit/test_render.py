@@ -94,12 +94,15 @@ def test_png_labels_fit_their_boxes(name, pp, m):
     fig, ax = render.figure(s)
     try:
         renderer = fig.canvas.get_renderer()
-        bars = [p for p in ax.patches if p.get_width() > 0]
+        fig.canvas.draw()
+        boxes = [(start, end) for row in simulate(s).timeline for _, start, end in row if end > start]
         labels = ax.texts
         assert sorted(int(t.get_text()) for t in labels) == sorted(op.microbatch for _, op in s.ops())
-        for bar, label in zip(bars, labels):  # one label per box, drawn in the same order
+        x = lambda t: ax.transData.transform((t, 0))[0]  # noqa: E731  data time -> pixels
+        for (start, end), label in zip(boxes, labels):  # one label per box, drawn in the same order
             assert label.get_fontsize() >= render.PNG_MIN_FONT
-            assert label.get_window_extent(renderer).width <= bar.get_window_extent(renderer).width
+            assert label.get_position()[0] == pytest.approx((start + end) / 2)
+            assert label.get_window_extent(renderer).width <= x(end) - x(start)
     finally:
         plt.close(fig)
 
