@@ -9,7 +9,7 @@ setup(
     # The schedule engine and planner need nothing; the runtime needs torch and megatron-core,
     # which users bring (CUDA builds on clusters). requirements-cpu.txt pins the CPU test stack.
     extras_require={
-        "runtime": ["torch>=2.4", "megatron-core>=0.16.1"],
+        "runtime": ["torch>=2.4", "megatron-core>=0.16.1", "psutil"],
         "plots": ["matplotlib"],
         # `megatron-vshape plan --optimal`: the exact reference (schedule/optimal.py, CP-SAT).
         "optimal": ["ortools==9.15.6755"],
