@@ -210,11 +210,25 @@ def _is_megatron_optimizer(optimizer) -> bool:
     return not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "sharded_state_dict")
 
 
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer itself, inside a thin wrapper that keeps it in `.optimizer` (the
+    driver's CPU stand-in for megatron-core's optimizer)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"cannot checkpoint optimizer {type(optimizer).__name__}: it is neither a torch.optim "
+                          f"optimizer nor a megatron-core MegatronOptimizer (nor wraps one in .optimizer)")
+    return optimizer
+
+
 def _optimizer_type(optimizer) -> Optional[str]:
+    """What the saved optimizer state is the state of (a load needs the same)."""
     if optimizer is None:
         return None
-    inner = getattr(optimizer, "optimizer", None) if _is_megatron_optimizer(optimizer) else None
-    return type(optimizer).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+    if _is_megatron_optimizer(optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        return type(optimizer).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+    return type(_torch_optimizer(optimizer)).__name__
 
 
 def _params(optimizer) -> List[torch.nn.Parameter]:
@@ -230,6 +244,7 @@ def _optimizer_sharded(optimizer, model_sd, *, loading: bool, common: Optional[d
     from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                             make_sharded_optimizer_tensor)
 
+    optimizer = _torch_optimizer(optimizer)
     params = _params(optimizer)
     by_id = get_param_id_to_sharded_param_map(model_sd, params)
     unmapped = [i for i in range(len(params)) if i not in by_id]
@@ -269,6 +284,7 @@ def _load_optimizer(optimizer, loaded) -> None:
     if _is_megatron_optimizer(optimizer):
         optimizer.load_state_dict(loaded)
         return
+    optimizer = _torch_optimizer(optimizer)
     params = _params(optimizer)
     state = {i: {} for i in range(len(params))} if (loaded["tensors"] or loaded["scalars"]) else {}
     for name, by_index in loaded["tensors"].items():

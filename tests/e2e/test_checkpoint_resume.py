@@ -1,0 +1,44 @@
+"""`torchrun scripts/pretrain_gpt.py` as users run it: a v-half run saves (--save, --save-interval),
+a 1f1b run resumes from its middle checkpoint (--load) and prints the same losses for the
+iterations after it, bit for bit (untied embeddings: every schedule adds each gradient in the same
+order; mock data is a function of the sample index, and the driver resumes it from the
+iteration).  megatron-core's torch_dist files and Megatron-LM's tracker are on disk."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
+         "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--log-interval", "1", "--untie-embeddings-and-output-weights",
+         "--pipeline-model-parallel-size", "2"]
+
+
+def _pretrain(*argv):
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, *argv]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {m["iteration"]: m["loss"] for m in (json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
+                                                 if line.startswith("VSHAPE_METRICS "))}, run.stdout
+
+
+@pytest.mark.timeout(600)
+def test_v_half_run_resumes_under_1f1b_with_the_same_losses(tmp_path):
+    save = str(tmp_path / "ckpt")
+    whole, _ = _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2")
+    assert sorted(whole) == [1, 2, 3, 4]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    middle = os.path.join(save, "iter_0000002")
+    assert os.path.isfile(os.path.join(middle, "metadata.json")) and os.path.isfile(os.path.join(middle, "common.pt"))
+    resumed, out = _pretrain("--pipeline-schedule", "1f1b", "--load", middle)
+    assert "loaded checkpoint" in out
+    print(f"v-half, uninterrupted: {[whole[i] for i in (1, 2, 3, 4)]}\n"
+          f"1f1b resumed at 2:     {[resumed[i] for i in (3, 4)]}")
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[3], resumed[4]] == [whole[3], whole[4]]
