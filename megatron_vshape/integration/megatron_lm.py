@@ -77,6 +77,9 @@ def _validate_args(orig):
         if plan is None:
             _plan = None
             return orig(args, defaults)
+        if plan.schedule.placement.kind == "v" and getattr(args, "yaml_cfg", None) is not None:
+            raise ConfigError(f"--yaml-cfg is not supported with --pipeline-schedule {plan.name}: the V builds its "
+                              "chunks from Megatron-LM's flags; pass the model with flags instead")
         vp = plan.virtual_pipeline_model_parallel_size
         if vp is not None and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is None:
             # Megatron-LM derives its virtual pipeline size from this flag in validate_args.
@@ -163,11 +166,7 @@ def _config_from_args():
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    args = get_args()
-    if getattr(args, "yaml_cfg", None) is not None:
-        raise ConfigError("--yaml-cfg is not supported with --pipeline-schedule on the V placement; pass the model "
-                          "with Megatron-LM's flags")
-    return core_transformer_config_from_args(args)
+    return core_transformer_config_from_args(get_args())
 
 
 def _get_forward_backward_func(orig):

@@ -23,6 +23,12 @@ def run_launcher(script, args: List[str], nproc: int, timeout: float, extra_path
     launcher = ["-m", "megatron_vshape.launch", str(script), *args]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                              if nproc else []), *launcher]
+    return run_bounded(cmd, timeout, extra_path, env)
+
+
+def run_bounded(cmd: List[str], timeout: float, extra_path: Optional[str] = None,
+                env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """Run `cmd` in the repository with the repository on PYTHONPATH; kill it and its children after `timeout`."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     PYTHONPATH=os.pathsep.join(p for p in (str(REPO), extra_path, os.environ.get("PYTHONPATH")) if p))
     full_env.update(env or {})

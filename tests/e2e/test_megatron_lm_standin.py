@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_lm_runs import REPO, STANDIN, losses, reference_losses, run_launcher
+from megatron_lm_runs import REPO, STANDIN, losses, reference_losses, run_bounded, run_launcher
 from megatron_vshape.testing.tiny_gpt import TinyGPT
 
 TINY = TinyGPT(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2,
@@ -74,3 +74,24 @@ def test_v_min_tp2_pp2_gives_rank_0_every_field_over_tensor_parallelism(referenc
     assert len(got) == ITERS, run.stdout[-3000:]
     # Tensor parallelism sums partial products in another order than the tp=1 reference.
     assert got == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_the_two_line_patch_is_equivalent_to_the_launcher(reference, tmp_path):
+    """patches/'s two added lines at the top of (a copy of) the stand-in script, run by torchrun directly."""
+    import shutil
+
+    patch = (REPO / "patches" / "megatron-lm-core_v0.16.1-pretrain_gpt.patch").read_text().splitlines()
+    added = [line[1:] for line in patch if line.startswith("+") and not line.startswith("+++")]
+    assert [l for l in added if l.strip()] == ["import megatron_vshape  # --pipeline-schedule: V-shape pipeline schedules",
+                                              "megatron_vshape.install()"]
+    copy = tmp_path / "standin"
+    shutil.copytree(STANDIN.parent, copy)
+    script = copy / "pretrain_gpt.py"
+    text = script.read_text()
+    script.write_text(text.replace('"""\n', '"""\n' + "\n".join(added) + "\n", 1))
+    run = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                       *MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"], timeout=220)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "forward-backward function: forward_backward_v-half" in run.stdout
+    assert losses(run.stdout) == pytest.approx(reference, rel=1e-6, abs=1e-6)
