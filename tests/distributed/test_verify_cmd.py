@@ -87,3 +87,12 @@ def test_measured_peak_memory_matches_the_simulator_pp4():
                   f"simulated {predicted_ratio[r]:.3f}")
             assert abs(ratio - 1) <= 0.05, (name, r, ratio)
             assert abs(measured / base_r0 - predicted_ratio[r]) <= 0.05, (name, r)
+
+
+def test_tied_embeddings_across_ranks_on_cpu(capsys):
+    """Interleaved 1F1B puts the embedding on rank 0 and the output layer on rank 1: their gradients
+    are summed over the embedding group on gloo, and the result equals the untied-by-rank reference."""
+    code = verify_cmd.run(_args("--schedule", "1f1b-interleaved", "--pp", "2", "--tied-embeddings", "--json"))
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"] and out["tied_embeddings"] and out["max_rel_grad_diff"] <= 1e-6
+
