@@ -17,9 +17,10 @@ the checkpoint and trains the same N steps.  Checked:
   differently; Adam then turns rounding-level differences of near-zero gradients into visible
   parameter differences, so parameters are only compared at load).
 
-Cases, one mechanism each: V -> single (v-half -> 1f1b), single -> V (1f1b -> v-zb), V -> loop
-(v-min -> 1f1b-interleaved), tied V -> V (v-zb -> v-half), tp 1 -> 2 tied, pp 4 -> pp 2 on the V
-(v-half -> v-zb).  Plus the errors: no checkpoint, and a checkpoint of other model sizes.
+Cases, one mechanism each: V -> single (v-half -> 1f1b), V -> loop (v-min -> 1f1b-interleaved),
+pp 4 -> pp 2 on the V (v-half -> v-zb), tp 1 -> 2 (tied, v-zb -> v-half), and tied embeddings
+between the V (one weight on rank 0) and the single placement (the last rank's copy, which
+megatron-core checkpoints as a replica of the embedding) both ways: 1f1b -> v-zb, v-half -> 1f1b.  Plus the errors: no checkpoint, and a checkpoint of other model sizes.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def _train(tiny, name, m, chunks, opt, sched, steps):
     """Train `steps` (global step numbers); per step the microbatch losses (last pipeline rank) or None."""
     from megatron.core import parallel_state as ps
 
+    from megatron_vshape.runtime.chunks import allreduce_tied_embedding
     from megatron_vshape.runtime.executor import get_forward_backward_func
     from megatron_vshape.testing.tiny_gpt import data_iterators, forward_step, microbatch_loss
 
@@ -71,6 +73,7 @@ def _train(tiny, name, m, chunks, opt, sched, steps):
         res = fb(forward_step_func=forward_step, data_iterator=data_iterators(tiny, step, m, len(chunks)),
                  model=chunks, num_microbatches=m, seq_length=tiny.seq_length, micro_batch_size=tiny.micro_batch_size)
         losses.append([microbatch_loss(d) for d in res])
+        allreduce_tied_embedding(chunks)  # single/loop placements: first and last rank's copies
         opt.step()
         sched.step()
     last = ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_world_size() - 1
@@ -212,9 +215,9 @@ def _check(case, saved, resumed):
 
 # Launches in turn: 2 ranks save (pp=2), 4 ranks resume the tp change and save pp=4, 2 ranks resume the rest.
 CASES = [_case("v-half_to_1f1b", UNTIED, "v-half", "1f1b"),
-         _case("1f1b_to_v-zb", UNTIED, "1f1b", "v-zb"),
+         _case("tied_1f1b_to_v-zb", TIED, "1f1b", "v-zb", m=1),
          _case("v-min_to_interleaved", UNTIED, "v-min", "1f1b-interleaved"),
-         _case("tied_v-zb_to_v-half", TIED, "v-zb", "v-half", m=1),
+         _case("tied_v-half_to_1f1b", TIED, "v-half", "1f1b", m=1),
          _case("tied_tp1_to_tp2", TIED, "v-zb", "v-half", tp_b=2, m=1),
          _case("pp4_to_pp2", UNTIED, "v-half", "v-zb", pp_a=4)]
 
@@ -232,3 +235,24 @@ def test_resume_under_another_schedule_pp_and_tp(tmp_path):
     assert missing and "no checkpoint to load at" in missing and "nothing-here" in missing, missing
     assert other_model and "num_layers=8 (this model: 4)" in other_model and "hidden_size=32 (this model: 48)" in other_model, other_model
     print("errors:", missing, other_model, sep="\n  ")
+
+
+def test_which_checkpoint_a_path_names(tmp_path):
+    """No ranks needed: the tracker, an iter_* directory, and what is not a checkpoint."""
+    from megatron_vshape.integration.checkpoint import TRACKER, find_checkpoint, iteration_dir
+    from megatron_vshape.schedule.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no checkpoint to load at .*: it does not exist"):
+        find_checkpoint(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=f"has no {TRACKER} and is no checkpoint"):
+        find_checkpoint(str(tmp_path))
+    (tmp_path / TRACKER).write_text("release\n")
+    with pytest.raises(ConfigError, match="'release', not an iteration number"):
+        find_checkpoint(str(tmp_path))
+    (tmp_path / TRACKER).write_text("6\n")
+    with pytest.raises(ConfigError, match="names iteration 6, but .*iter_0000006 holds no complete checkpoint"):
+        find_checkpoint(str(tmp_path))
+    done = iteration_dir(str(tmp_path), 6)
+    os.makedirs(done)
+    open(os.path.join(done, "metadata.json"), "w").write("{}")
+    assert find_checkpoint(str(tmp_path)) == done == find_checkpoint(done)
