@@ -222,10 +222,11 @@ CASES = [_case("v-half_to_1f1b", UNTIED, "v-half", "1f1b"),
          _case("pp4_to_pp2", UNTIED, "v-half", "v-zb", pp_a=4)]
 
 
+@pytest.mark.timeout(900)  # three launches, each bounded by its own timeout
 def test_resume_under_another_schedule_pp_and_tp(tmp_path):
     saved, resumed, errors = {}, {}, None
     for world_size, save, errors_too in ((2, True, False), (4, True, False), (2, False, True)):
-        jobs = launch(_job, world_size, (CASES, str(tmp_path), save, errors_too), timeout=400)
+        jobs = launch(_job, world_size, (CASES, str(tmp_path), save, errors_too), timeout=290)
         saved.update(_merge([job["saved"] for job in jobs]))
         resumed.update(_merge([job["resumed"] for job in jobs]))
         errors = errors or jobs[0].get("errors")
