@@ -35,7 +35,17 @@ def _costs(text: Optional[str]) -> Costs:
 
 def _options(args: argparse.Namespace) -> Dict[str, object]:
     """Schedule options the user gave (only those; defaults stay the generator's)."""
-    return {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
+    options = {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
+    if getattr(args, "memory_budget", None) is not None and not (args.schedule != "v-auto" and getattr(args, "optimal", False)):
+        if args.schedule != "v-auto":  # (plan --optimal reads it from args: the solver's cap)
+            raise ConfigError(f"--memory-budget {args.memory_budget:g} applies to --schedule v-auto; use it there, "
+                              "or `compare --memory-budget` to find the fastest schedule that fits")
+        options["memory_budget"] = args.memory_budget
+    if getattr(args, "stage_costs", None):
+        from .schedule.stage_costs import load
+
+        options["stage_costs"] = load(args.stage_costs)
+    return options
 
 
 def summary(schedule: Schedule, sim: SimResult) -> dict:
@@ -85,6 +95,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"schedule          {schedule.name}  (placement {schedule.placement.kind}, {schedule.placement.chunks} chunk(s) per rank)")
     print(f"pp, microbatches  {schedule.pp}, {schedule.microbatches}")
     print(f"per-stage costs   F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
+    if schedule.stage_costs is not None:
+        print("stage costs       " + " ".join(f"{k}:{sc.F:g}/{sc.B:g}/{sc.W:g}x{sc.size:g}" for k, sc in enumerate(schedule.stage_costs))
+              + "  (stage:F/B/W x activation size)")
+    if schedule.memory_budget is not None:
+        print(f"memory budget     {schedule.memory_budget:g} of 1F1B")
+    if schedule.meta.get("plan"):
+        print(f"plan              {schedule.meta['plan']}")
     print(f"makespan          {sim.makespan:g}")
     print(f"bubble rate       {_pct(sim.bubble_rate)}")
     print(f"span bubble rate  {_pct(sim.span_bubble_rate)}")
@@ -158,13 +175,17 @@ def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
     return 0
 
 
-def compare_rows(pp: int, microbatches: int, costs: Costs) -> List[dict]:
-    """One row per registered schedule; a schedule that cannot serve the sizes gives its reason."""
+def compare_rows(pp: int, microbatches: int, costs: Costs, memory_budget: Optional[float] = None,
+                 stage_costs=None) -> List[dict]:
+    """One row per registered schedule (v-auto at the budget, default 1.0); a schedule that cannot
+    serve the sizes gives its reason.  With stage costs, `equal_plan_makespan` is the
+    makespan under them of the plan made for equal stages (the gain of planning for them)."""
     rows = []
     for name in registry.names():
         row: dict = {"schedule": name}
+        options = {"memory_budget": memory_budget} if name == "v-auto" and memory_budget is not None else {}
         try:
-            schedule = registry.build(name, pp, microbatches, costs)
+            schedule = registry.build(name, pp, microbatches, costs, stage_costs=stage_costs, **options)
         except ConfigError as exc:
             row["error"] = str(exc)
             row["prediction"] = predict(name, pp, microbatches, costs).to_dict()
@@ -184,6 +205,12 @@ def compare_rows(pp: int, microbatches: int, costs: Costs) -> List[dict]:
         note = no_saving_note(name, pp)
         if note:
             row["note"] = note
+        if stage_costs is not None:
+            equal = schedule
+            if registry.plans_for_stage_costs(name):
+                equal = registry.build(name, pp, microbatches, costs, **options)
+                equal.stage_costs = schedule.stage_costs
+            row["equal_plan_makespan"] = simulate(equal).makespan
         rows.append(row)
     return rows
 
@@ -213,27 +240,83 @@ def format_table(header: List[str], rows: List[List[str]]) -> str:
 def cmd_compare(args: argparse.Namespace) -> int:
     costs = _costs(args.costs)
     check_sizes("compare", args.pp, args.microbatches)  # what every schedule needs; else no row would serve
-    rows = compare_rows(args.pp, args.microbatches, costs)
+    stage_costs = None
+    if args.stage_costs:
+        from .schedule.stage_costs import load
+
+        stage_costs = load(args.stage_costs)
+        if len(stage_costs) % args.pp:  # a count no schedule can use: one error, exit 2
+            raise ConfigError(f"--stage-costs {args.stage_costs} gives {len(stage_costs)} stages; at pp={args.pp} give "
+                              f"{2 * args.pp} entries (the V's stages in model order; 1F1B's {args.pp} stages merge pairs)")
+    rows = compare_rows(args.pp, args.microbatches, costs, args.memory_budget, stage_costs)
+    choice = None
+    if args.memory_budget is not None:
+        from .schedule.choose import fastest_within
+
+        best, reason = fastest_within(args.pp, args.microbatches, costs, args.memory_budget, stage_costs)
+        choice = {"schedule": best.name, "reason": reason}
     if args.json:
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(), "rows": rows}, indent=2))
+        out = {"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(), "rows": rows}
+        if choice:
+            out["fastest_within_budget"] = choice
+        print(json.dumps(out, indent=2))
         return 0
     base = next((r["makespan"] for r in rows if r["schedule"] == "1f1b" and "makespan" in r), None)
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["schedule"], "-", "-", "-", "-", "-", "cannot serve: " + r["error"].splitlines()[0]])
+            table.append([r["schedule"], "-", "-", "-", "-", "-"] + (["-"] if stage_costs else []) +
+                         ["cannot serve: " + r["error"].splitlines()[0]])
             continue
         vs = f"{r['makespan'] / base:.3f}" if base else "-"
+        extra = []
+        if stage_costs is not None:
+            e = r["equal_plan_makespan"]
+            extra = [f"{e:g} ({r['makespan'] / e - 1:+.1%})" if abs(e - r["makespan"]) > 1e-9 else "same plan"]
         table.append(
             [r["schedule"], _pct(r["bubble_rate"]), _pct(r["span_bubble_rate"]), f"{r['peak_vs_1f1b']:.3g}",
-             f"{r['makespan']:g}", vs, r["prediction_text"]]
+             f"{r['makespan']:g}", vs] + extra + [r["prediction_text"]]
         )
     c = costs
-    print(f"pp={args.pp}  microbatches={args.microbatches}  costs per rank F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
-    print(format_table(["schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B", "paper predicts"], table))
+    print(f"pp={args.pp}  microbatches={args.microbatches}  costs per rank F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}"
+          + (f"  stage costs from {args.stage_costs}" if stage_costs else ""))
+    header = ["schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B"]
+    header += ["plan for equal stages (change)"] if stage_costs else []
+    print(format_table(header + ["paper predicts"], table))
     for r in rows:
         if "note" in r:
             print(f"note: {r['note']}")
+    if choice:
+        print(f"\nfastest within memory budget {args.memory_budget:g}: {choice['reason']}")
+    return 0
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from .schedule import frontier
+
+    check_sizes("frontier", args.pp, args.microbatches)
+    costs = _costs(args.costs)
+    stage_costs = None
+    if args.stage_costs:
+        from .schedule.stage_costs import load
+
+        stage_costs = load(args.stage_costs)
+    points = frontier.frontier(args.pp, args.microbatches, costs, stage_costs)
+    written = []
+    c = costs
+    title = f"pp={args.pp} microbatches={args.microbatches} costs F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}"
+    if args.picture:
+        written = frontier.write(points, title, args.picture)
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(),
+                          "points": [p.to_dict() for p in points], "written": written}, indent=2))
+        return 0
+    print(title)
+    table = [[p.schedule, "-" if p.memory_budget is None else f"{p.memory_budget:.4g}", f"{p.peak_vs_1f1b:.3g}",
+              f"{p.makespan:g}", _pct(p.bubble_rate), f"{p.vs_1f1b:.3f}"] for p in points]
+    print(format_table(["schedule", "budget", "peak vs 1F1B", "makespan", "bubble", "vs 1F1B"], table))
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -270,6 +353,10 @@ def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
     p.add_argument("--costs", help="F,B,W[,C] for one rank's share of the model (default 1,1,1,0)")
+    p.add_argument("--stage-costs", metavar="FILE.json",
+                   help="per-stage F, B, W and activation size (unequal stages; see schedule/stage_costs.py)")
+    p.add_argument("--memory-budget", type=float, metavar="X",
+                   help="activation memory as a fraction of 1F1B's (v-auto: from V-Min's ((p+4)//3)/p to 2.0)")
     if schedule:
         p.add_argument("--chunks", type=positive_int, help="model chunks per rank (1f1b-interleaved; default 2)")
         p.add_argument("--group", type=positive_int, help="Megatron's microbatch_group_size_per_vp_stage (1f1b-interleaved; default pp)")
@@ -309,6 +396,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="PATH", help="stage-costs file to write (what --stage-costs reads)")
     p.add_argument("--stages", type=int, help="stages of the schedule (default: the highest recorded stage + 1)")
     p.set_defaults(run=cmd_profile)
+
+    p = sub.add_parser("frontier", help="fastest V-shape schedule for every memory budget, baselines beside it")
+    _sizes(p, schedule=False)
+    p.add_argument("--json", action="store_true", help="print the points as JSON")
+    p.add_argument("--picture", metavar="PATH", help="draw memory vs makespan to SVG (+PNG next to it with matplotlib)")
+    p.set_defaults(run=cmd_frontier)
 
     # verify_cmd imports torch only inside run(), so the planner stays torch-free.
     p = sub.add_parser("verify", help="run a schedule on a tiny GPT across ranks; compare losses, gradients, memory")

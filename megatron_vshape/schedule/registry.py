@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import baselines, vshape
+from . import baselines, search, vshape
 from .errors import ConfigError
 from .ops import Costs, Schedule, StageCost
 from .stage_costs import fit
@@ -28,6 +28,7 @@ GENERATORS: Dict[str, Generator] = {
     "v-min": vshape.v_min,
     "v-half": vshape.v_half,
     "v-zb": vshape.v_zb,
+    "v-auto": search.v_auto,
 }
 
 

@@ -116,6 +116,14 @@ def _build(name: str, plan: Plan, pp: int, m: int, costs: Costs, caps: Sequence[
     """One candidate schedule with its makespan in meta; raises Stuck or _Fail if it cannot."""
     if plan[0] == "rounds":
         return zb_v(name, pp, m, costs, caps[0], plan[1], plan[2])
+    if plan[0] == "paper":  # ("paper", "min" | "half", reserve): the paper's unit-slot blocks
+        from .search import paper_block
+
+        block = paper_block(pp, costs, plan[1], max(costs.F, costs.B, costs.W))
+        reserve = [2 * r + 1 for r in range(pp)] if plan[2] == "rank" else None
+        s = reorder(block, m, caps, name, reserve=reserve, safe=plan[2] == "safe")
+        s.meta["candidate"] = plan
+        return s
     cand = plan[1]
     block = preference_block(pp, costs, cand)
     reserve = [2 * r + 1 for r in range(pp)] if cand.reserve == "rank" else None
@@ -129,7 +137,9 @@ def _build(name: str, plan: Plan, pp: int, m: int, costs: Costs, caps: Sequence[
 SELECT_OPS_PER_RANK = 6 * 48
 
 
-def _search(name: str, pp: int, m: int, costs: Costs, caps_of, plans: Sequence[Plan]) -> Schedule:
+def legacy_search(name: str, pp: int, m: int, costs: Costs, caps_of, plans: Sequence[Plan]) -> Schedule:
+    """The best of `plans` under integer caps (`caps_of(m)`), unverified; search.py keeps it
+    among its candidates."""
     per_stage = costs.per_stage(2)
     m_sel = min(m, max(2 * pp + 2, SELECT_OPS_PER_RANK // 6))
     scored = []
@@ -164,30 +174,33 @@ PLANS: Dict[str, List[Plan]] = {
     "v-zb": [("rounds", True, True), ("rounds", True, False)],
 }
 SAFE = Candidate(False, 1.0, 0, 0, 0, 0, "safe")
+# The paper's own V-Min and V-Half blocks on a grid of unit slots (search.paper_block).
+PAPER_PLANS: List[Plan] = [("paper", "half", "ahead"), ("paper", "min", "rank"), ("paper", "min", "ahead")]
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:
+    stage_costs = options.pop("stage_costs", None)
     check_no_options(name, options)
     check_sizes(name, pp, microbatches)
-    costs = costs or Costs()
-    memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first
-    caps_of = lambda m: memory_caps(name, pp, m, per_1f1b)  # noqa: E731
-    return verify(_search(name, pp, microbatches, costs, caps_of, PLANS[name]))
+    memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first, with this schedule's words
+    from .search import plan  # search keeps this module's constructions among its candidates
+
+    return plan(name, pp, microbatches, costs, per_1f1b / pp, stage_costs)
 
 
-def v_min(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
+def v_min(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
     """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 of p microbatches)."""
-    return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3, options)
+    return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3, dict(options, stage_costs=stage_costs))
 
 
-def v_half(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
+def v_half(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
     """V-Half: about half of 1F1B's activation memory ((p+2)//2 of p microbatches)."""
-    return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2, options)
+    return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2, dict(options, stage_costs=stage_costs))
 
 
-def v_zb(pp: int, microbatches: int, costs: Costs = Costs(), **options) -> Schedule:
+def v_zb(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
     """V-ZB: 1F1B's activation memory, almost no bubble."""
-    return _generate("v-zb", pp, microbatches, costs, pp, options)
+    return _generate("v-zb", pp, microbatches, costs, pp, dict(options, stage_costs=stage_costs))
 
 
 class _Rounds:

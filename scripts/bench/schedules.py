@@ -29,7 +29,7 @@ def _ints(text: str):
     return [int(x) for x in text.split(",") if x]
 
 
-def run(pps, factors, cost_sets):
+def run(pps, factors, cost_sets, budgets=()):
     rows = []
     for costs_text in cost_sets:
         costs = Costs.parse(costs_text)
@@ -37,11 +37,12 @@ def run(pps, factors, cost_sets):
             for factor in factors:
                 m = factor * pp
                 group = []
-                for name in registry.names():
-                    row = dict(pp=pp, microbatches=m, costs=costs_text, schedule=name)
+                for name, budget in [(n, None) for n in registry.names() if n != "v-auto"] + [("v-auto", b) for b in budgets]:
+                    row = dict(pp=pp, microbatches=m, costs=costs_text, schedule=name if budget is None else f"v-auto@{budget:g}")
                     t0 = time.perf_counter()
                     try:
-                        schedule = registry.build(name, pp, m, costs)
+                        options = {} if budget is None else {"memory_budget": budget}
+                        schedule = registry.build(name, pp, m, costs, **options)
                     except ConfigError as exc:
                         row["error"] = str(exc).splitlines()[0]
                         group.append(row)
@@ -59,16 +60,46 @@ def run(pps, factors, cost_sets):
     return rows
 
 
+TIMING_SIZES = ((4, 32), (8, 64), (16, 48), (16, 128), (32, 256))
+
+
+def timing() -> None:
+    """CPU time of one plan (build + verify) per V schedule, each in a fresh cache; CPU time is
+    this process's own cost (on a shared machine the wall clock also counts other work)."""
+    from megatron_vshape.schedule import search
+
+    print("\nplanning time (build + verify, CPU seconds, one core; wall in brackets), costs 2,2.2,1.6,0.05:")
+    names = ["v-min", "v-half", "v-zb", "v-auto@0.7", "v-auto@1.5"]
+    table = []
+    for pp, m in TIMING_SIZES:
+        cells = [pp, m]
+        for label in names:
+            name, _, budget = label.partition("@")
+            options = {"memory_budget": float(budget)} if budget else {}
+            search._plan.cache_clear()
+            cpu, wall = time.process_time(), time.perf_counter()
+            try:
+                registry.build(name, pp, m, Costs(2, 2.2, 1.6, 0.05), **options)
+                cells.append(f"{time.process_time() - cpu:.2f} ({time.perf_counter() - wall:.1f})")
+            except ConfigError as exc:
+                cells.append("cannot serve: " + str(exc).splitlines()[0][:40])
+        table.append(cells)
+    print(format_table(["pp", "m"] + names, table))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", default="4,8,12,16", help="comma-separated pipeline sizes (default 4,8,12,16)")
     ap.add_argument("--factors", default="2,4,8", help="microbatches = factor * pp (default 2,4,8)")
     ap.add_argument("--costs", default=";".join(COST_SETS), help="cost sets F,B,W,C separated by ';'")
     ap.add_argument("--csv", default="out/bench_schedules.csv", help="where to write the CSV")
-    ap.add_argument("--timing", action="store_true", help="also time generating each schedule at pp=32, m=256")
+    ap.add_argument("--budgets", default="", help="also v-auto at these memory budgets, e.g. 0.5,0.75,1.5")
+    ap.add_argument("--timing", action="store_true",
+                    help="also print the CPU time of planning each V schedule at pp 4..16, m <= 128 and pp=32, m=256")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = run(_ints(args.pp), _ints(args.factors), [c for c in args.costs.split(";") if c])
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    rows = run(_ints(args.pp), _ints(args.factors), [c for c in args.costs.split(";") if c], budgets)
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -88,15 +119,7 @@ def main(argv=None) -> int:
     print(format_table(["costs", "pp", "m", "schedule", "bubble", "span bubble", "peak vs 1F1B", "makespan", "vs 1F1B", "note"], table))
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.1f}s; CSV: {args.csv}", file=sys.stderr)
     if args.timing:
-        # CPU time is this process's own cost; wall time also counts whatever else the machine runs.
-        print("\ngeneration time (build + verify) at pp=32, microbatches=256, unit costs:")
-        for name in registry.names():
-            cpu, wall = time.process_time(), time.perf_counter()
-            try:
-                registry.build(name, 32, 256)
-                print(f"  {name:18s} cpu {time.process_time() - cpu:.3f}s  wall {time.perf_counter() - wall:.3f}s")
-            except ConfigError as exc:
-                print(f"  {name:18s} cannot serve: {exc}")
+        timing()
     return 0
 
 

@@ -34,7 +34,7 @@ def check(name, p, m, costs=UNIT):
 
 
 @pytest.mark.parametrize("name", GENERATORS)
-@pytest.mark.parametrize("p", range(2, 17))
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8, 13, 16])  # every pp 2..16: test_generators
 def test_valid_and_within_memory_for_every_size(name, p):
     sizes = {1, 2, p - 1, p, 2 * p + 1, 8 * p} - {0}
     for m in sorted(sizes):

@@ -1,0 +1,537 @@
+"""The V-shape planner: the fastest schedule it can find under a memory budget.
+
+For one problem (pp, microbatches, costs, stage costs, memory budget) it builds several
+candidates and keeps the shortest under the simulator's rules:
+
+  * the paper's building blocks as vshape.py lays them out (every plan of V-Min, V-Half and
+    V-ZB that fits the cap), so the search is never worse than those constructions;
+  * greedy list scheduling (`greedy`): whenever a rank is free it runs the most urgent op
+    that is ready, under the per-rank cap, with a look-ahead that keeps memory feasible to
+    the end (a microbatch enters a rank only while room stays reserved for its second
+    chunk and for the second chunks of every microbatch already in flight, so no rank can
+    ever wait for memory that never frees); W's fill waits, or run when memory is needed.
+    Which op is most urgent is a priority rule; a fixed family of rules is tried;
+  * an improvement pass (`improve`) on the best of these: ops on the critical path moved
+    earlier on their rank, then seeded local moves, each kept only if the simulated
+    makespan (then the sum of rank finish times) drops and the cap still holds.
+
+Everything is deterministic: the work is bounded by counts of simulated ops, never by the
+clock, and the random moves use a fixed seed, so every rank computes the same schedule.
+Results are cached per problem in-process.
+
+The cap: `memory_budget` X is peak_vs_1f1b's unit (1F1B's rank 0 with plain stages is 1),
+so a rank of the V may hold X * 2 * min(p, m) stage-activations, each weighted by its
+stage's size (1 when stages are equal; at m >= p that is floor(X * 2p) plain ones).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from functools import lru_cache
+from typing import List, Optional, Sequence, Tuple
+
+from .blocks import EPS, Stuck
+from .errors import ConfigError
+from .ops import B, F, W, Costs, Op, Placement, Schedule, StageCost, check_no_options, check_sizes, stage_table
+from .simulate import one_f_one_b_peak
+from .verify import verify
+
+MAX_BUDGET = 2.0
+
+
+def min_budget(pp: int) -> float:
+    """V-Min's budget, the least the V-shapes serve: ((p+4)//3)/p of 1F1B."""
+    return ((pp + 4) // 3) / pp
+
+
+class Problem:
+    """One planning problem on the V, with op ids as integers: 3 * (mb * S + stage) + slot
+    (slot 0 F, 1 B, 2 W), so the search's inner loops use lists, not dicts."""
+
+    def __init__(self, pp: int, m: int, costs: Costs, table: Sequence[StageCost], cap: float):
+        self.pp, self.m, self.S = pp, m, 2 * pp
+        self.costs, self.table, self.cap = costs, tuple(table), cap
+        self.placement = Placement("v", pp, 2)
+        S = self.S
+        self.rank = [self.placement.rank_of(s) for s in range(S)]
+        self.dur = [(c.F, c.B, c.W) for c in self.table]
+        self.size = [c.size for c in self.table]
+        C, inf = costs.C, math.inf
+        self.f_hop = [inf] + [C if self.rank[s - 1] != self.rank[s] else 0.0 for s in range(1, S)]
+        self.b_hop = [C if self.rank[s + 1] != self.rank[s] else 0.0 for s in range(S - 1)] + [inf]
+
+    def op(self, i: int) -> Op:
+        return Op((F, B, W)[i % 3], i // (3 * self.S), (i // 3) % self.S)
+
+    def encode(self, ranks: Sequence[Sequence[Op]]) -> List[List[int]]:
+        slot = {F: 0, B: 1, W: 2}
+        return [[3 * (o.microbatch * self.S + o.stage) + slot[o.kind] for o in ops] for ops in ranks]
+
+    def schedule(self, name: str, order: Sequence[Sequence[int]], budget: Optional[float],
+                 stage_costs: Optional[Sequence[StageCost]], meta: dict) -> Schedule:
+        ranks = [[self.op(i) for i in ops] for ops in order]
+        return Schedule(name, self.placement, self.m, self.costs, ranks, meta,
+                        None if stage_costs is None else tuple(stage_costs), budget)
+
+    def evaluate(self, order: Sequence[Sequence[int]], limit: float = math.inf) -> Optional[Tuple[float, float]]:
+        """(makespan, sum of rank finish times) of the eager run, or None on deadlock (or as
+        soon as an op ends after `limit`).  The simulator's rules (simulate.run_lists), on
+        integer ops."""
+        S, pp, dur, f_hop, b_hop = self.S, self.pp, self.dur, self.f_hop, self.b_hop
+        end = [-1.0] * (3 * self.m * S)
+        pos, free = [0] * pp, [0.0] * pp
+        lens = [len(o) for o in order]
+        moved = True
+        while moved:
+            moved = False
+            for r in list(range(pp)) + list(range(pp - 2, 0, -1)):
+                ops, i, t, n = order[r], pos[r], free[r], lens[r]
+                start_i = i
+                while i < n:
+                    o = ops[i]
+                    slot = o % 3
+                    s = (o // 3) % S
+                    if slot == 0:
+                        if s:
+                            e = end[o - 3]
+                            if e < 0:
+                                break
+                            e += f_hop[s]
+                            if e > t:
+                                t = e
+                    else:
+                        e = end[o - 1]
+                        if e < 0:
+                            break
+                        if e > t:
+                            t = e
+                        if slot == 1 and s < S - 1:
+                            e = end[o + 3]
+                            if e < 0:
+                                break
+                            e += b_hop[s]
+                            if e > t:
+                                t = e
+                    t += dur[s][slot]
+                    if t > limit:
+                        return None
+                    end[o] = t
+                    i += 1
+                if i != start_i:
+                    moved = True
+                    pos[r], free[r] = i, t
+        if pos != lens:
+            return None
+        return max(free), sum(free)
+
+    def peak(self, ops: Sequence[int]) -> float:
+        live = top = 0.0
+        S, size = self.S, self.size
+        for o in ops:
+            slot = o % 3
+            if slot == 0:
+                live += size[(o // 3) % S]
+                if live > top:
+                    top = live
+            elif slot == 2:
+                live -= size[(o // 3) % S]
+        return top
+
+    def fits(self, order: Sequence[Sequence[int]]) -> bool:
+        return all(self.peak(ops) <= self.cap + EPS for ops in order)
+
+
+# A priority rule: the order in which a free rank prefers ready ops (B1/B0: backward of its
+# chunk 1 / chunk 0, F1/F0 likewise), and how long a wait a W may fill (theta: run a W when
+# the next op's input is at least theta * W away; 0 runs W's into any wait).
+# reserve: "all" keeps room for the second-chunk F of every microbatch in flight on the
+# rank; "one" only for the next one (enough: F's of a stage run in microbatch order, so the
+# oldest microbatch can always finish its forwards and free memory through its W's).
+RULES: Tuple[Tuple[str, float, str], ...] = tuple(
+    (order, theta, reserve) for reserve in ("one", "all")
+    for order in ("B1 B0 F1 F0", "F1 B1 F0 B0", "B0 B1 F1 F0") for theta in (1.0, 0.0)
+)
+
+
+def greedy(P: Problem, order: str, theta: float, reserve: str = "all") -> List[List[int]]:
+    """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
+    can never proceed (only when the cap cannot hold one microbatch's two stages)."""
+    pp, S, m, cap, size, dur = P.pp, P.S, P.m, P.cap + EPS, P.size, P.dur
+    rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
+    prefs = [(k[0], int(k[1])) for k in order.split()]
+    end = [-1.0] * (3 * m * S)
+    nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
+    wq: List[List[int]] = [[] for _ in range(pp)]
+    wi = [0] * pp
+    live = [0.0] * pp
+    pending = [0.0] * pp  # sizes reserved for second-chunk F's of microbatches already in
+    out: List[List[int]] = [[] for _ in range(pp)]
+    free = [0.0] * pp
+    wake = [0.0] * pp
+    heap = [(0.0, r) for r in range(pp)]
+    stages = [(r, S - 1 - r) for r in range(pp)]
+    total = 6 * m
+    inf = math.inf
+    while heap:
+        t, r = heapq.heappop(heap)
+        if t != wake[r] or len(out[r]) == total:
+            continue
+        s0, s1 = stages[r]
+        best, soonest, mem_blocked = -1, inf, False
+        for kind, chunk in prefs:
+            k = nxt[r][(kind, chunk)]
+            if k >= m:
+                continue
+            s = s1 if chunk else s0
+            o = 3 * (k * S + s) + (kind == B)
+            if kind == F:
+                if chunk == 0:
+                    need = size[s0] + (pending[r] if reserve == "all" else 0.0) + size[s1]
+                else:
+                    need = size[s1]
+                e = 0.0 if s == 0 else end[o - 3]
+                ready = inf if e < 0 else (e + (f_hop[s] if s else 0.0))
+                if live[r] + need > cap:
+                    if ready <= t + EPS:
+                        mem_blocked = True
+                    continue
+            else:
+                e = end[o - 1]
+                if e < 0:
+                    continue
+                ready = e
+                if s < S - 1:
+                    e2 = end[o + 3]
+                    ready = inf if e2 < 0 else max(ready, e2 + b_hop[s])
+            if ready <= t + EPS:
+                best = o
+                break
+            soonest = min(soonest, ready)
+        if best < 0 and wi[r] < len(wq[r]):
+            w = wq[r][wi[r]]
+            wd = dur[(w // 3) % S][2]
+            if mem_blocked or soonest == inf or soonest - t >= theta * wd - EPS:
+                best = w
+        if best < 0:
+            wake[r] = soonest
+            if soonest < inf:
+                heapq.heappush(heap, (soonest, r))
+            continue
+        slot, s = best % 3, (best // 3) % S
+        chunk = 0 if s == s0 else 1
+        finish = t + dur[s][slot]
+        end[best] = finish
+        out[r].append(best)
+        if slot == 0:
+            live[r] += size[s]
+            pending[r] += size[s1] if chunk == 0 else -size[s1]
+            nxt[r][(F, chunk)] += 1
+        elif slot == 1:
+            wq[r].append(best + 1)
+            nxt[r][(B, chunk)] += 1
+        else:
+            live[r] -= size[s]
+            wi[r] += 1
+        wake[r] = free[r] = finish
+        heapq.heappush(heap, (finish, r))
+        if slot != 2:  # wake the neighbour whose op consumes this output
+            n = s + 1 if slot == 0 else s - 1
+            if 0 <= n < S and rank[n] != r:
+                q = rank[n]
+                at = max(finish + (f_hop[n] if slot == 0 else b_hop[n]), free[q])
+                if at < wake[q]:
+                    wake[q] = at
+                    heapq.heappush(heap, (at, q))
+    if any(len(o) != total for o in out):
+        raise Stuck(f"greedy {order}: ranks cannot proceed under cap {P.cap:g}")
+    return out
+
+
+def _critical(P: Problem, order: List[List[int]]) -> List[Tuple[int, int]]:
+    """(rank, index) of ops on a critical path that wait for their rank, not their input:
+    moving one of them earlier is what can shorten the run."""
+    S, pp, dur, f_hop, b_hop = P.S, P.pp, P.dur, P.f_hop, P.b_hop
+    # Re-run eagerly with start times and positions.
+    end = [-1.0] * (3 * P.m * S)
+    where = {}
+    pos, free = [0] * pp, [0.0] * pp
+    lens = [len(o) for o in order]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp):
+            ops = order[r]
+            while pos[r] < lens[r]:
+                o, i = ops[pos[r]], pos[r]
+                slot, s = o % 3, (o // 3) % S
+                t, deps = free[r], []
+                if slot == 0 and s:
+                    deps.append((o - 3, f_hop[s]))
+                elif slot:
+                    deps.append((o - 1, 0.0))
+                    if slot == 1 and s < S - 1:
+                        deps.append((o + 3, b_hop[s]))
+                if any(end[d] < 0 for d, _ in deps):
+                    break
+                t = max([t] + [end[d] + h for d, h in deps])
+                end[o] = t + dur[s][slot]
+                where[o] = (r, i)
+                free[r] = end[o]
+                pos[r] += 1
+                moved = True
+    r = max(range(pp), key=lambda q: free[q])
+    i = lens[r] - 1
+    path = []
+    while i >= 0:
+        o = order[r][i]
+        slot, s = o % 3, (o // 3) % S
+        start = end[o] - dur[s][slot]
+        deps = []
+        if slot == 0 and s:
+            deps.append((o - 3, f_hop[s]))
+        elif slot:
+            deps.append((o - 1, 0.0))
+            if slot == 1 and s < S - 1:
+                deps.append((o + 3, b_hop[s]))
+        prev_end = end[order[r][i - 1]] if i else 0.0
+        bound = next((d for d, h in deps if abs(end[d] + h - start) < EPS and where[d][0] != r), None)
+        if bound is not None and abs(prev_end - start) > EPS:
+            r, i = where[bound]
+            continue
+        if i:
+            path.append((r, i))
+        i -= 1
+    return path
+
+
+def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patience: int = 250) -> List[List[int]]:
+    """Iterated local search, kept only where (makespan, sum of finish times) drops and the
+    cap holds; at most `work` simulated ops in all (a count, so the result never depends on
+    the clock).  First ops on the critical path move earlier on their rank; then seeded
+    moves of any op a few places either way; after `patience` moves without gain, a kick
+    (a few random valid moves taken whatever they cost) leaves the local optimum, and the
+    best order seen is returned."""
+    score = P.evaluate(order)
+    n_ops = sum(len(o) for o in order)
+    budget = work // max(1, n_ops)
+    rng = random.Random(seed)
+    best, best_score = [o[:] for o in order], score
+
+    def attempt(r: int, i: int, j: int, force: bool = False) -> bool:
+        nonlocal score, budget, best, best_score
+        if j < 0 or j >= len(order[r]) or i == j:
+            return False
+        budget -= 1
+        ops = order[r]
+        new = ops[:]
+        new.insert(j, new.pop(i))
+        if P.peak(new) > P.cap + EPS:
+            return False
+        order[r] = new
+        got = P.evaluate(order, math.inf if force else score[0] + EPS)
+        if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[1] < score[1] - EPS)):
+            score = got
+            if got[0] < best_score[0] - EPS or (got[0] < best_score[0] + EPS and got[1] < best_score[1] - EPS):
+                best, best_score = [o[:] for o in order], got
+            return True
+        order[r] = ops
+        return False
+
+    while budget > 0:
+        better = False
+        budget -= 2  # finding the critical path costs about two simulations
+        for r, i in _critical(P, order):
+            for d in (1, 2, 3):
+                if budget <= 0:
+                    break
+                if attempt(r, i, i - d):
+                    better = True
+                    break
+            if better or budget <= 0:
+                break
+        if not better:
+            break
+    idle, stale, last_best = 0, 0, best_score
+    while budget > 0:
+        r = rng.randrange(P.pp)
+        i = rng.randrange(len(order[r]))
+        if attempt(r, i, i + rng.choice((-3, -2, -1, 1, 2, 3))):
+            idle = 0
+            continue
+        idle += 1
+        if idle >= patience:  # kick: leave this local optimum from where the best one is
+            stale = stale + 1 if best_score == last_best else 0
+            last_best = best_score
+            if stale >= STALE_KICKS:
+                break  # converged: kicks from the best order keep finding nothing better
+            order[:] = [o[:] for o in best]
+            score, idle, kicked = best_score, 0, 0
+            while kicked < 3 and budget > 0:
+                r = rng.randrange(P.pp)
+                i = rng.randrange(len(order[r]))
+                kicked += attempt(r, i, i + rng.choice((-2, -1, 1, 2)), force=True)
+    return best
+
+
+# Ops simulated by the search for one problem (selection plus improvement): bounds CPU time.
+RULE_WORK = 30_000  # greedy ops (each costs several simulated ones)
+IMPROVE_WORK = 2_000_000
+IMPROVE_STARTS = 3
+STALE_KICKS = 5  # kicks in a row without a new best end the improvement
+IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
+
+
+def cap_of(pp: int, microbatches: int, budget: float) -> float:
+    """Weighted stage-activations a rank may hold under `budget` (see the module docstring)."""
+    return math.floor(budget * 2 * one_f_one_b_peak(pp, microbatches) + 1e-9)
+
+
+def check_budget(name: str, pp: int, microbatches: int, budget: float, table: Sequence[StageCost]) -> float:
+    low = min_budget(pp)
+    if not (isinstance(budget, (int, float)) and low - 1e-12 <= budget <= MAX_BUDGET):
+        raise ConfigError(f"{name}: --memory-budget {budget!r} is outside {low:.4g} (V-Min's ((p+4)//3)/p at pp={pp}) "
+                          f"to {MAX_BUDGET:g}; give a fraction of 1F1B's activation memory in that range")
+    cap = cap_of(pp, microbatches, budget)
+    need = max(table[r].size + table[2 * pp - 1 - r].size for r in range(pp))
+    if cap + EPS < need:
+        more = next((k for k in range(microbatches + 1, pp + 1) if cap_of(pp, k, budget) + EPS >= need), None)
+        fix = f"use microbatches >= {more}" if more else "raise --memory-budget"
+        raise ConfigError(f"{name}: microbatches={microbatches} is too few for pp={pp} at memory budget {budget:g}: "
+                          f"a rank may hold {cap:g} stage-activations but one microbatch needs {need:g} on one rank; {fix}")
+    return cap
+
+
+def _legacy(name: str, pp: int, m: int, costs: Costs, cap: float) -> List[Schedule]:
+    """Today's constructions (vshape.PLANS, laid out under equal per-stage `costs`) at this
+    cap, each built where it can be; the caller checks them under the real stage costs."""
+    from . import vshape  # late: vshape asks this module to plan
+
+    if cap < 2:
+        return []
+    caps_of = lambda k: [int(cap + EPS)] * pp  # noqa: E731
+    user = Costs(2 * costs.F, 2 * costs.B, 2 * costs.W, costs.C)  # legacy_search takes them per rank
+    if name in vshape.PLANS:  # today's generator exactly: the search is never worse than it
+        groups = [vshape.PLANS[name], vshape.PAPER_PLANS]
+    else:
+        groups = [[p for plans in vshape.PLANS.values() for p in plans] + vshape.PAPER_PLANS]
+    out = []
+    for plans in groups:
+        try:
+            out.append(vshape.legacy_search(name, pp, m, user, caps_of, plans))
+        except (Stuck, ValueError, ConfigError):
+            continue
+    return out
+
+
+def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
+    """Every rule on a prefix of the run (the steady state repeats) within RULE_WORK ops;
+    the best rule is then built at full length."""
+    m_sel = min(P.m, max(2 * P.pp + 2, RULE_WORK // (6 * P.pp * len(RULES))))
+    Q = P if m_sel == P.m else Problem(P.pp, m_sel, P.costs, P.table, P.cap)
+    scored = []
+    for k, rule in enumerate(RULES):
+        try:
+            got = greedy(Q, *rule)
+        except Stuck:
+            continue
+        score = Q.evaluate(got)
+        if score is not None:
+            scored.append((score, k, got))
+    scored.sort(key=lambda x: x[:2])
+    out = []
+    for _, k, got in scored[:1]:
+        order, theta, reserve = RULES[k]
+        try:
+            out.append((got if Q is P else greedy(P, *RULES[k]), f"greedy {order} theta={theta:g} reserve {reserve}"))
+        except Stuck:
+            continue
+    return out
+
+
+@lru_cache(maxsize=256)
+def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
+    cap = check_budget(name, pp, m, budget, table)
+    P = Problem(pp, m, costs, table, cap)
+    cands: List[Tuple[Tuple[float, float], int, List[List[int]], str]] = []
+    for k, s in enumerate(_legacy(name, pp, m, costs, cap)):
+        order = P.encode(s.ranks)
+        got = P.evaluate(order)
+        if got is not None and P.fits(order):
+            cands.append((got, k, order, f"blocks {s.meta.get('candidate')}"))
+    for order, how in _greedy_candidates(P):
+        got = P.evaluate(order)
+        if got is not None:
+            cands.append((got, 100 + len(cands), order, how))
+    if not cands:
+        raise Stuck(f"{name}: no candidate fits cap {cap:g} at pp={pp}, microbatches={m}")
+    cands.sort(key=lambda c: (c[0], c[1]))
+    # Improve the best few distinct starts (different basins), sharing IMPROVE_WORK.
+    starts = [c for k, c in enumerate(cands) if k == 0 or c[0] != cands[k - 1][0]][:IMPROVE_STARTS]
+    n_ops = 6 * pp * m
+    work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
+    results = []
+    for k, (score, _, order, how) in enumerate(starts):
+        better = improve(P, [o[:] for o in order], work // len(starts), seed=k)
+        got = P.evaluate(better)
+        if got[0] < score[0] - EPS:
+            how += f" + improve ({score[0]:g} -> {got[0]:g})"
+        results.append((got, k, better, how))
+    results.sort(key=lambda c: (c[0], c[1]))
+    _, _, best, how = results[0]
+    return tuple(tuple(o) for o in best), how
+
+
+def plan(name: str, pp: int, microbatches: int, costs: Optional[Costs], budget: float,
+         stage_costs: Optional[Sequence[StageCost]] = None) -> Schedule:
+    """The best verified V-shape schedule found under `budget` (peak_vs_1f1b units), with
+    `costs` as users give them (per rank) and `stage_costs` per stage when unequal."""
+    check_sizes(name, pp, microbatches)
+    costs = (costs or Costs()).per_stage(2)
+    if stage_costs is not None:
+        from .stage_costs import fit
+
+        stage_costs = fit(stage_costs, 2 * pp, f"{name} at pp={pp}")
+    table = stage_table(costs, 2 * pp, stage_costs)
+    order, how = _plan(name, pp, microbatches, costs, table, float(budget))
+    P = Problem(pp, microbatches, costs, table, cap_of(pp, microbatches, budget))
+    s = P.schedule(name, order, float(budget), stage_costs, {"plan": how, "makespan": P.evaluate(order)[0]})
+    return verify(s)
+
+
+DEFAULT_BUDGET = 1.0  # v-auto without a budget: the fastest V within 1F1B's activation memory
+
+
+def v_auto(pp: int, microbatches: int, costs: Costs = Costs(), memory_budget: Optional[float] = None,
+           stage_costs: Optional[Sequence[StageCost]] = None, **options) -> Schedule:
+    """V-Auto: the fastest V-shape schedule found within `memory_budget` (a fraction of 1F1B's
+    activation memory, from V-Min's ((p+4)//3)/p to 2.0; default 1.0)."""
+    check_no_options("v-auto", options)
+    budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
+    return plan("v-auto", pp, microbatches, costs, budget, stage_costs)
+
+
+def paper_block(pp: int, costs: Costs, kind: str, unit: float) -> "Block":
+    """The paper's V-Min / V-Half building block (its Appendix; slots of one op, repeated
+    every 6 slots): on rank i, chunk-0 F, chunk-1 F, chunk-1 B, chunk-0 B at the slots
+    below, each W in the first free slot after its B.  `unit` turns slots into time; the
+    block only sets preferences for blocks.reorder, which times ops by the real costs."""
+    from .blocks import Block
+
+    p = pp
+    if kind == "min":
+        gap = 2 if p % 3 == 0 else 0
+        slots = [(i, 2 * p - i - 1, 2 * p + gap + i, 4 * p + gap - i - 1) for i in range(p)]
+    else:
+        gap = 3 if p % 2 == 0 else 0
+        slots = [(2 * i, 3 * p - i - 2, 3 * p + gap + 2 * i - 1, 6 * p + gap - i - 2) for i in range(p)]
+    start = {}
+    for i, (f0, f1, b1, b0) in enumerate(slots):
+        s0, s1 = i, 2 * p - 1 - i
+        taken = {x % 6 for x in (f0, f1, b1, b0)}
+        start[(F, s0)], start[(F, s1)], start[(B, s1)], start[(B, s0)] = (unit * x for x in (f0, f1, b1, b0))
+        for stage, b in ((s1, b1), (s0, b0)):
+            w = next(b + k for k in range(1, 7) if (b + k) % 6 not in taken)
+            taken.add(w % 6)
+            start[(W, stage)] = unit * w
+    return Block(Placement("v", p, 2), costs, 6 * unit, start)

@@ -1,0 +1,152 @@
+"""The planner's search (schedule/search.py): any budget, never worse than today's block
+constructions, within the budget on every rank, deterministic, and the issue's figures.
+
+Figures are bubble rates of one synchronous iteration (DESIGN.md), costs as users give them.
+Where the search does not reach the official scheduler's figure yet, the test pins that it
+is no worse than the block constructions (vshape.legacy_search, today's generator) and says
+the official figure in a comment; see the README's planner section for the gaps."""
+import json
+
+import pytest
+
+from megatron_vshape import cli
+from megatron_vshape.schedule import registry, search, vshape
+from megatron_vshape.schedule.choose import fastest_within
+from megatron_vshape.schedule.errors import ConfigError
+from megatron_vshape.schedule.frontier import frontier
+from megatron_vshape.schedule.ops import Costs, StageCost
+from megatron_vshape.schedule.simulate import peak_activations, simulate
+from megatron_vshape.schedule.verify import verify
+
+SKEWED = Costs(2, 2.2, 1.6, 0.05)
+HOP = Costs(2, 2, 2, 0.25)
+SHARE = {"v-min": lambda p: (p + 4) // 3, "v-half": lambda p: (p + 2) // 2, "v-zb": lambda p: p}
+
+
+def bubble(name, pp, m, costs, **options):
+    return simulate(registry.build(name, pp, m, costs, **options)).bubble_rate
+
+
+def today(name, pp, m, costs):
+    """Today's generator (the block constructions alone), simulated."""
+    caps = lambda k: vshape.memory_caps(name, pp, k, SHARE[name](pp))  # noqa: E731
+    return simulate(vshape.legacy_search(name, pp, m, costs, caps, vshape.PLANS[name]))
+
+
+@pytest.mark.parametrize("name, pp, m, costs", [
+    ("v-half", 8, 24, HOP), ("v-min", 8, 16, SKEWED), ("v-zb", 6, 18, SKEWED), ("v-half", 5, 15, SKEWED),
+    ("v-min", 7, 21, Costs(1, 1, 1, 0)),
+])
+def test_never_worse_than_the_block_constructions(name, pp, m, costs):
+    assert simulate(registry.build(name, pp, m, costs)).makespan <= today(name, pp, m, costs).makespan + 1e-9
+
+
+def test_issue_figures_reached():
+    # v-min keeps its lead at pp=8 (official 27.88%, issue asks <= 22.49%).
+    assert bubble("v-min", 8, 24, SKEWED) <= 0.2249
+    # v-auto at pp=4, m=16: the official adaptive scheduler's 18.53% and 4.08% at budgets 0.625 and 1.0.
+    assert bubble("v-auto", 4, 16, SKEWED, memory_budget=0.625) <= 0.1853
+    assert bubble("v-auto", 4, 16, SKEWED, memory_budget=1.0) <= 0.0408 + 1e-4
+
+
+def test_issue_figures_improved_but_not_yet_reached():
+    # Official: v-half pp=16 m=128 2,2,2,0.25 7.97% (ours before: 17.20%); pp=16 m=48 18.76% (23.91%);
+    # pp=4 m=12 unit 6.49% (8.86%); v-min pp=4 m=32 2,2,2,0.25 18.99% (20.99%).
+    assert bubble("v-half", 16, 128, HOP) <= 0.0850
+    assert bubble("v-half", 16, 48, HOP) <= 0.2000
+    assert bubble("v-half", 4, 12, Costs(1, 1, 1, 0)) <= today("v-half", 4, 12, Costs(1, 1, 1, 0)).bubble_rate + 1e-12
+    assert bubble("v-min", 4, 32, HOP) < today("v-min", 4, 32, HOP).bubble_rate
+
+
+def test_v_half_at_pp4_m8_toward_the_proven_optimum():
+    # Proven optimum 53.8 (bubble 13.75%); the official greedy 54.2; ours before 56.3.
+    assert 53.8 - 1e-9 <= simulate(registry.build("v-half", 4, 8, SKEWED)).makespan <= 54.2 + 1e-9
+
+
+def test_v_zb_toward_the_proven_optimum_at_pp4_m12():
+    # Proven optimum 77.25 (6.80%); ours before and the official 78.75 (8.57%); not reached yet.
+    assert 77.25 - 1e-9 <= simulate(registry.build("v-zb", 4, 12, HOP)).makespan < 78.75
+
+
+def test_v_auto_bubble_never_rises_with_the_budget():
+    rates = [bubble("v-auto", 4, 16, SKEWED, memory_budget=b) for b in (0.5, 0.625, 0.75, 0.875, 1.0)]
+    assert rates == sorted(rates, reverse=True), rates
+
+
+@pytest.mark.parametrize("pp, m, budget", [(5, 12, 0.7), (6, 9, 0.95), (3, 7, 2.0), (4, 3, 1.2)])
+def test_v_auto_within_budget_on_every_rank(pp, m, budget):
+    s = registry.build("v-auto", pp, m, SKEWED, memory_budget=budget)
+    verify(s)  # checks the recorded budget too
+    assert s.memory_budget == budget
+    assert max(simulate(s).peak_vs_1f1b) <= budget + 1e-12
+
+
+@pytest.mark.parametrize("budget", [0.3, 2.5, float("nan")])
+def test_budget_out_of_range_is_a_config_error(budget):
+    with pytest.raises(ConfigError, match="--memory-budget .* is outside 0.5 .* to 2"):
+        registry.build("v-auto", 4, 16, memory_budget=budget)
+    assert registry.build("v-auto", 4, 16).memory_budget == 1.0  # the default: 1F1B's memory
+
+
+def test_deterministic_without_the_cache():
+    a = registry.build("v-auto", 5, 13, SKEWED, memory_budget=0.8)
+    search._plan.cache_clear()
+    b = registry.build("v-auto", 5, 13, SKEWED, memory_budget=0.8)
+    assert a.ranks == b.ranks
+
+
+def test_unequal_stages_planned_for_and_within_budget():
+    # Embedding on stage 0 and output layer + loss on stage 2p-1: both on the V's rank 0.
+    sc = [StageCost(1.4, 1.3, 0.9, 1.5)] + [StageCost(1, 1.1, 0.8)] * 6 + [StageCost(1.8, 2.0, 0.9, 1.25)]
+    s = registry.build("v-auto", 4, 16, SKEWED, memory_budget=1.0, stage_costs=sc)
+    verify(s)
+    sim = simulate(s)
+    assert max(sim.peak_vs_1f1b) <= 1.0
+    # Rank 0 holds the two large stages: fewer of them fit, as the weighted count shows.
+    assert sim.peak_activations[0] <= 8 and peak_activations(s, [1.0] * 8)[0] < 8
+    equal = registry.build("v-auto", 4, 16, SKEWED, memory_budget=1.0)
+    equal.stage_costs = s.stage_costs
+    if max(simulate(equal).peak_vs_1f1b) <= 1.0:  # the plan for equal stages fits: ours is no slower
+        assert sim.makespan <= simulate(equal).makespan + 1e-9
+
+
+def test_fastest_within_names_the_fastest_fitting_schedule():
+    best, reason = fastest_within(4, 16, SKEWED, 1.0)
+    fitting = []
+    for name in registry.names():
+        options = {"memory_budget": 1.0} if name == "v-auto" else {}
+        sim = simulate(registry.build(name, 4, 16, SKEWED, **options))
+        if max(sim.peak_vs_1f1b) <= 1.0:
+            fitting.append(sim.makespan)
+    assert simulate(best).makespan == min(fitting) and best.name in reason
+    with pytest.raises(ConfigError, match="no schedule fits --memory-budget 0.1"):
+        fastest_within(4, 16, SKEWED, 0.1)
+
+
+def test_frontier_never_rises_and_has_the_baselines(tmp_path):
+    points = frontier(4, 8, SKEWED)
+    auto = [p for p in points if p.schedule == "v-auto"]
+    assert [p.memory_budget for p in auto] == [k / 8 for k in range(4, 17)]
+    assert all(a.makespan >= b.makespan for a, b in zip(auto, auto[1:]))
+    assert all(p.peak_vs_1f1b <= p.memory_budget + 1e-12 for p in auto)
+    assert {"1f1b", "1f1b-interleaved", "zb-h1", "zb-h2"} <= {p.schedule for p in points}
+    svg = tmp_path / "f.svg"
+    assert cli.main(["frontier", "--pp", "4", "--microbatches", "8", "--costs", "2,2.2,1.6,0.05",
+                     "--picture", str(svg)]) == 0
+    assert svg.read_text().startswith("<svg") and "v-auto" in svg.read_text()
+
+
+def test_cli_budget_and_stage_costs(tmp_path, capsys):
+    sc = tmp_path / "sc.json"
+    sc.write_text(json.dumps({"stage_costs": [{"F": 1, "B": 1.1, "W": 0.8}] * 8}))
+    assert cli.main(["plan", "--schedule", "v-auto", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.75",
+                     "--stage-costs", str(sc), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_budget"] == 0.75 and len(out["stage_costs"]) == 8
+    assert cli.main(["compare", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.75"]) == 0
+    assert "fastest within memory budget 0.75: " in capsys.readouterr().out
+    assert cli.main(["plan", "--schedule", "v-auto", "--pp", "4", "--microbatches", "8", "--memory-budget", "3"]) == 2
+    assert cli.main(["plan", "--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--memory-budget", "1"]) == 2
+    sc.write_text(json.dumps({"stage_costs": [{"F": 1, "B": 1.1, "W": 0.8}] * 5}))
+    assert cli.main(["compare", "--pp", "4", "--microbatches", "8", "--stage-costs", str(sc)]) == 2
+    assert "give 8 entries" in capsys.readouterr().err
