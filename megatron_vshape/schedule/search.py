@@ -449,6 +449,18 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
     return out
 
 
+NAMED_BUDGETS = (("v-min", lambda p: ((p + 4) // 3) / p), ("v-half", lambda p: ((p + 2) // 2) / p), ("v-zb", lambda p: 1.0))
+NAMED_BELOW_OPS = 3_000  # above this many ops v-auto skips it (planning time: 2 s at pp <= 16, m <= 128)
+
+
+def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[str, float]]:
+    """For v-auto: the named V-shape with the largest budget <= `budget` (None if none)."""
+    if name != "v-auto":
+        return None
+    fits = [(n, b(pp)) for n, b in NAMED_BUDGETS if b(pp) <= budget + 1e-12]
+    return max(fits, key=lambda x: x[1]) if fits else None
+
+
 @lru_cache(maxsize=256)
 def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
     cap = check_budget(name, pp, m, budget, table)
@@ -459,6 +471,15 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         got = P.evaluate(order)
         if got is not None and P.fits(order):
             cands.append((got, k, order, f"blocks {s.meta.get('candidate')}"))
+    below = _named_below(name, pp, m, budget)
+    if below is not None and 6 * pp * m <= NAMED_BELOW_OPS:
+        # The V-shape named for the largest budget <= this one fits too: v-auto is never slower
+        # than it, and never slower as the budget passes V-Min's, V-Half's and V-ZB's.
+        try:
+            order, how = _plan(below[0], pp, m, costs, table, below[1])
+            cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
+        except (ConfigError, Stuck):
+            pass  # too few microbatches for that budget's cap: nothing to include
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -470,6 +491,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     starts = [c for k, c in enumerate(cands) if k == 0 or c[0] != cands[k - 1][0]][:IMPROVE_STARTS]
     n_ops = 6 * pp * m
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
+    if any(c[1] == -1 for c in cands):
+        work //= 2  # half the work was spent improving the named plan included above
     results = []
     for k, (score, _, order, how) in enumerate(starts):
         better = improve(P, [o[:] for o in order], work // len(starts), seed=k)
