@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import resource
@@ -36,6 +37,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Dict, List, Optional
 
+from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
 from .args import add_pipeline_arguments, validate_pipeline_args
 
@@ -47,7 +49,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 # ---- flags ---------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
+    p = Parser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML file of flag values (keys are flag names); command-line flags override it")
@@ -805,18 +807,10 @@ def _summary(args, plan, history, peak_act, rss0, device):
     return summary
 
 
-def _quiet() -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    import logging
-
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-
-
 def main(argv=None) -> int:
-    _quiet()
+    quiet_megatron_notices()
+    # Dataset building logs a line per split ("Unable to save Mock indexes ..."): noise for users.
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     try:
         args = parse_args(argv)
         plan = validate(args)
