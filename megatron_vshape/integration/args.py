@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..schedule import registry
+from ..schedule.choose import fastest_within
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule
 
@@ -39,23 +40,9 @@ LAYER_SPLIT_FLAGS = (
 )
 
 
-def fastest_within_available():
-    """The planner's `fastest_within(pp, microbatches, costs, memory_budget, stage_costs=None)`, or None."""
-    import importlib
-
-    for module in ("choose", "search"):
-        try:
-            found = getattr(importlib.import_module(f"..schedule.{module}", __package__), "fastest_within", None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
-
-
 def schedule_choices():
-    names = registry.names()
-    return names + [AUTO] if fastest_within_available() is not None and AUTO not in names else names
+    """Every registered schedule, and `auto` (the planner picks the fastest that fits the budget)."""
+    return registry.names() + [AUTO]
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -271,9 +258,6 @@ def replan_available() -> bool:
 
 
 def _choose_auto(args, pp: int, m: int, costs: Costs):
-    fastest_within = fastest_within_available()
-    if fastest_within is None:
-        raise ConfigError("--pipeline-schedule auto is not available in this version; name a schedule")
     budget = getattr(args, "pipeline_memory_budget", None)
     if budget is None:
         raise ConfigError("--pipeline-schedule auto needs --pipeline-memory-budget X (activation memory per rank "

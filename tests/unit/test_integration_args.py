@@ -94,13 +94,10 @@ def test_non_v_layer_split_follows_megatrons_rule():
         validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=9, decoder_first_pipeline_num_layers=2))
 
 
-def test_auto_is_offered_exactly_when_the_planner_can_choose():
-    from megatron_vshape.integration.args import fastest_within_available, schedule_choices
+def test_auto_picks_a_schedule_within_the_budget_and_says_why():
+    from megatron_vshape.integration.args import schedule_choices
 
-    available = fastest_within_available() is not None
-    assert ("auto" in schedule_choices()) == available
-    if not available:
-        return
+    assert "auto" in schedule_choices()
     plan = validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", "0.6",
                                         "--pipeline-costs", "2,2.2,1.6,0.05"))
     assert plan.reason and plan.name in plan.reason and plan.name in registry.names()
