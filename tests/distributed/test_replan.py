@@ -141,9 +141,10 @@ DRIVER_REPLAN_AT = 2
 
 
 def _driver_runs(world_size):
+    from megatron_vshape.argtypes import quiet_megatron_notices
     from megatron_vshape.integration import train
 
-    train._quiet()
+    quiet_megatron_notices()
     out = {}
     for label, extra in (("plain", []), ("replanned", ["--pipeline-replan-after", str(DRIVER_REPLAN_AT)])):
         args = train.parse_args(DRIVER_FLAGS + extra)

@@ -29,9 +29,10 @@ def _plan(argv, world_size):
 
 
 def _runs(rank, world_size, cases):
+    from megatron_vshape.argtypes import quiet_megatron_notices
     from megatron_vshape.integration import train
 
-    train._quiet()
+    quiet_megatron_notices()
     out = {}
     for label, argv in cases:
         args, plan = _plan(argv, world_size)
