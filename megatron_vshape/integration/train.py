@@ -372,18 +372,9 @@ def build_optimizer(args, chunks, config, device):
 
 # ---- one step ------------------------------------------------------------------------------------
 
-def loss_func(loss_mask, output_tensor):
-    """Megatron's GPT loss contract: (summed loss, token count, {"lm loss": [sum, count]})."""
-    import torch
-
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    tokens = mask.sum().to(torch.int)
-    return loss, tokens, {"lm loss": torch.stack([loss.detach().clone(), tokens.float()])}
-
-
 def forward_step(data_iterator, model):
+    from ..runtime.loss import loss_func
+
     batch = next(data_iterator)
     device = next(model.parameters()).device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from ..runtime.chunks import build_model_chunks, embedding_ranks_for, global_named_parameters
+from ..runtime.loss import loss_func
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
 
@@ -175,15 +176,6 @@ def microbatches(tiny: TinyGPT, step: int, num_microbatches: int) -> Iterator[Di
 def data_iterators(tiny: TinyGPT, step: int, num_microbatches: int, chunks: int) -> List[Iterator]:
     """One iterator per chunk, each yielding the step's microbatches in order."""
     return [microbatches(tiny, step, num_microbatches) for _ in range(chunks)]
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron's GPT loss contract: (summed loss, token count, {"lm loss": [sum, count]})."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    tokens = mask.sum().to(torch.int)
-    return loss, tokens, {"lm loss": torch.stack([loss.detach().clone(), tokens.float()])}
 
 
 def forward_step(data_iterator, model):
