@@ -15,13 +15,13 @@ This module needs torch only inside `agree` (the `profile` command reads files w
 from __future__ import annotations
 
 import inspect
-import json
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..schedule import registry
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule, StageCost
+from ..schedule.stage_costs import read_json
 
 OpTime = Tuple[str, int, int, float, float]  # (kind, microbatch, stage, start, end), as Recorder.ops
 KINDS = ("F", "B", "W", "BW")
@@ -84,13 +84,7 @@ def load_stats(paths: Sequence[str]) -> List[dict]:
     """Recorder dumps (Recorder.dump): each file one rank's dict, a list of them, or {"ranks": [...]}."""
     out: List[dict] = []
     for path in paths:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not JSON ({exc}); give files written by Recorder.dump") from None
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+        data = read_json(path, path, "; give files written by Recorder.dump")
         items = data.get("ranks") if isinstance(data, dict) and "ranks" in data else data
         items = items if isinstance(items, list) else [items]
         for item in items:

@@ -56,16 +56,20 @@ def parse(data, source: str = "stage costs") -> Tuple[StageCost, ...]:
     return tuple(out)
 
 
-def load(path: str) -> Tuple[StageCost, ...]:
-    """Read and validate a stage-costs file."""
+def read_json(path: str, what: str, hint: str = ""):
+    """The JSON in `path`; a missing, unreadable or non-JSON file is a ConfigError naming `what`."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--stage-costs {path}: not JSON ({exc})") from None
+        raise ConfigError(f"{what}: not JSON ({exc}){hint}") from None
     except OSError as exc:
-        raise ConfigError(f"--stage-costs {path}: cannot read it ({exc.strerror})") from None
-    return parse(data, f"--stage-costs {path}")
+        raise ConfigError(f"{what}: cannot read it ({exc.strerror})") from None
+
+
+def load(path: str) -> Tuple[StageCost, ...]:
+    """Read and validate a stage-costs file."""
+    return parse(read_json(path, f"--stage-costs {path}"), f"--stage-costs {path}")
 
 
 def fit(stage_costs: Sequence[StageCost], num_stages: int, what: str = "the schedule") -> Tuple[StageCost, ...]:
