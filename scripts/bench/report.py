@@ -31,14 +31,45 @@ MARKERS = ("VSHAPE_RUN", "VSHAPE_METRICS", "VSHAPE_SUMMARY", "VSHAPE_EXIT")
 LOG_SUFFIXES = (".log", ".out", ".txt")
 BASELINE = "1f1b"
 # Paper: Qi, Wan, Amar, Lin, "Pipeline Parallelism with Controllable Memory", NeurIPS 2024,
-# arXiv 2405.15362.  Its per-configuration throughput tables could not be read where this was
-# written, so only the abstract's figure is quoted, for runs of the paper's configurations
-# (config_name starting "paper-"): "in pure pipeline parallelism settings, our methods outperform
-# 1F1B by from 7% to 55% in terms of throughput" (abstract).  Per-configuration figures go in
-# PAPER_FIGURES as {(config_name, schedule): "1.23x (Table N)"} once transcribed from the paper.
+# arXiv 2405.15362; table numbers of arXiv v1 (what was read, and how: configs/paper/SOURCES.md).
+# Its MFU (%) per schedule for one setting of a paper config, keyed (config_name, seq_length,
+# num_microbatches), None meaning any: Table 4 is pure pipeline parallelism at a fixed size, Table 3
+# the best of a DP/TP/PP/micro-batch grid search (so its runs' microbatch counts differ per schedule).
+PAPER_MFU: Dict[Tuple[str, Optional[int], Optional[int]], Tuple[str, Dict[str, float]]] = {
+    ("paper-38.5b", None, 512): ("Table 4", {"1f1b": 47.1, "v-zb": 53.2, "v-half": 51.8, "v-min": 43.7}),
+    ("paper-98.5b", 1024, None): ("Table 3", {"1f1b": 49.81, "v-zb": 57.58, "v-half": 52.60, "v-min": 48.02}),
+    ("paper-98.5b", 3072, None): ("Table 3", {"1f1b": 57.25, "v-zb": 56.89, "v-half": 60.34, "v-min": 55.51}),
+}
+
+
+def _paper_text(table: str, mfu: Dict[str, float], schedule: str) -> str:
+    versus = "" if schedule == BASELINE else f" vs {mfu[BASELINE]:g}%"
+    return f"{mfu[schedule] / mfu[BASELINE]:.2f}x (MFU {mfu[schedule]:g}%{versus}, {table})"
+
+
+# The paper's figure beside a run: {(config_name, schedule, seq_length, num_microbatches): text}.
+PAPER_FIGURES: Dict[Tuple[str, str, Optional[int], Optional[int]], str] = {
+    (config, schedule, seq, m): _paper_text(table, mfu, schedule)
+    for (config, seq, m), (table, mfu) in PAPER_MFU.items() for schedule in mfu}
+# Elsewhere on the pure-pipeline configs: the abstract's range, "in pure pipeline parallelism
+# settings, our methods outperform 1F1B by from 7% to 55% in terms of throughput".
+PURE_PP_CONFIGS = ("paper-9.6b", "paper-21b", "paper-38.5b")
 PAPER_RANGE = {"v-zb": "1.07-1.55x (abstract, V-schedules)", "v-half": "1.07-1.55x (abstract, V-schedules)",
                "v-min": "1.07-1.55x (abstract, V-schedules)", "1f1b": "1.00"}
-PAPER_FIGURES: Dict[Tuple[str, str], str] = {}
+
+
+def paper_figure(run: "Run") -> str:
+    """The paper's figure for this run: the most specific PAPER_FIGURES entry, else the abstract's range."""
+    if not run.config_name:
+        return ""
+    for seq in (run.seq_length, None):
+        for m in (run.num_microbatches, None):
+            text = PAPER_FIGURES.get((run.config_name, run.schedule or "", seq, m))
+            if text:
+                return text
+    return PAPER_RANGE.get(run.schedule or "", "") if run.config_name in PURE_PP_CONFIGS else ""
+
+
 MiB = 1024 * 1024
 
 
@@ -222,10 +253,7 @@ def compare(runs: List[Run]) -> List[Run]:
                 r.speedup = r.tokens_per_s / base.tokens_per_s
             if r.ok and base and base.peak_activation_bytes and r.peak_activation_bytes is not None:
                 r.activation_vs_1f1b = r.peak_activation_bytes / base.peak_activation_bytes
-            if r.config_name:
-                r.paper = PAPER_FIGURES.get((r.config_name, r.schedule or ""), "")
-                if not r.paper and r.config_name.startswith("paper-"):
-                    r.paper = PAPER_RANGE.get(r.schedule or "", "")
+            r.paper = paper_figure(r)
     order = _schedule_order()
     return sorted(runs, key=lambda r: (tuple(str(x) for x in r.group),
                                        order.get(r.schedule, len(order)), r.schedule or "", r.log))

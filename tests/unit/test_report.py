@@ -102,7 +102,56 @@ def test_table_csv_plot_and_strict_exit(sweep, tmp_path, capsys):
 def test_paper_configs_show_the_papers_figure(tmp_path):
     write(tmp_path / "a.log", "VSHAPE_SUMMARY " + json.dumps(summary("v-zb", 1000.0, 100, config_name="paper-9.6b")))
     (run,) = report.collect([str(tmp_path)])
-    assert "abstract" in run.paper
+    assert "abstract" in run.paper  # no per-run figure read for 9.6B: the abstract's range
+
+
+def _paper_run(path, schedule, tokens_per_s, **over):
+    """A run of a paper config as submit_grid.py names it: VSHAPE_RUN (the submit script), then the summary."""
+    planned = {k: over[k] for k in ("config_name", "pp", "num_microbatches", "seq_length")}
+    s = summary(schedule, tokens_per_s, 100, tflops_per_gpu=150.0, **over)
+    write(path, "VSHAPE_RUN " + json.dumps({"schedule": schedule, **planned}), "VSHAPE_SUMMARY " + json.dumps(s),
+          'VSHAPE_EXIT {"exit_code": 0}')
+
+
+def test_paper_figure_with_its_table_beside_the_measured_speedup(tmp_path, capsys):
+    # paper-38.5b at m = 16 x pp = 512 (submit_grid --microbatches-per-pp 16): Table 4's column.
+    size = dict(config_name="paper-38.5b", pp=32, num_layers=64, hidden_size=7168, seq_length=1024,
+                num_microbatches=512, micro_batch_size=1, global_batch_size=512, world_size=32)
+    _paper_run(tmp_path / "paper-38.5b__1f1b__m512.out", "1f1b", 1000.0, **size)
+    _paper_run(tmp_path / "paper-38.5b__v-zb__m512.out", "v-zb", 1200.0, **size)
+    _paper_run(tmp_path / "paper-38.5b__v-min__m64.out", "v-min", 900.0, **{**size, "num_microbatches": 64})
+    assert report.main([str(tmp_path)]) == 0
+    rows = {line.split()[3] + line.split()[2]: line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("paper-38.5b")}
+    assert "1.200" in rows["v-zb512"] and "1.13x (MFU 53.2% vs 47.1%, Table 4)" in rows["v-zb512"]
+    assert "1.00x (MFU 47.1%, Table 4)" in rows["1f1b512"]
+    assert "abstract" in rows["v-min64"]  # Table 4's other columns were not read
+
+
+def test_paper_figure_lookup_by_sequence_length():
+    run = report.Run(log="x", config_name="paper-98.5b", schedule="v-half", seq_length=3072, num_microbatches=80)
+    assert report.paper_figure(run) == "1.05x (MFU 60.34% vs 57.25%, Table 3)"
+    run.seq_length = 1024
+    assert report.paper_figure(run) == "1.06x (MFU 52.6% vs 49.81%, Table 3)"
+    run.seq_length = 2048  # no such setting in Table 3, and the abstract's range is for pure pipelines
+    assert report.paper_figure(run) == ""
+    assert report.paper_figure(report.Run(log="x", config_name="tiny-cpu", schedule="v-zb")) == ""
+
+
+def test_paper_figures_match_the_grids_runs():
+    """Every figure's key is a run the SLURM grid can produce from configs/paper/*.yaml: the config's
+    file stem (submit_grid.py's and the driver's config_name), a registered schedule, its m reachable
+    as --microbatches-per-pp x pp, its sequence length the file's or Table 3's other (3072, SOURCES.md)."""
+    yaml = pytest.importorskip("yaml")
+    configs = {p.stem: yaml.safe_load(p.read_text()) for p in (ROOT / "configs" / "paper").glob("*.yaml")}
+    assert report.PAPER_FIGURES
+    for config, schedule, seq, m in report.PAPER_FIGURES:
+        assert config in configs and schedule in registry.names()
+        pp = configs[config]["pipeline-model-parallel-size"]
+        assert m is None or m % pp == 0
+        assert seq is None or seq == configs[config]["seq-length"] or seq == 3072
+    for name in report.PURE_PP_CONFIGS:
+        assert name in configs
 
 
 def test_no_logs_is_an_error(tmp_path, capsys):
