@@ -31,6 +31,7 @@ import random
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
+from . import slots
 from .blocks import EPS, Stuck
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, StageCost, check_no_options, check_sizes, stage_table
@@ -480,6 +481,10 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
+    for kind in ("min", "half"):
+        for k, order in enumerate(slots.squeezed(P, slots.paper_pattern(pp, kind))):
+            how = f"paper's {kind} block squeezed ({slots.MODES[k // 2]}, pass {k % 2 + 1})"
+            cands.append((P.evaluate(order), 50 + len(cands), order, how))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -541,15 +546,11 @@ def paper_block(pp: int, costs: Costs, kind: str, unit: float) -> "Block":
     block only sets preferences for blocks.reorder, which times ops by the real costs."""
     from .blocks import Block
 
+    from .slots import paper_pattern
+
     p = pp
-    if kind == "min":
-        gap = 2 if p % 3 == 0 else 0
-        slots = [(i, 2 * p - i - 1, 2 * p + gap + i, 4 * p + gap - i - 1) for i in range(p)]
-    else:
-        gap = 3 if p % 2 == 0 else 0
-        slots = [(2 * i, 3 * p - i - 2, 3 * p + gap + 2 * i - 1, 6 * p + gap - i - 2) for i in range(p)]
     start = {}
-    for i, (f0, f1, b1, b0) in enumerate(slots):
+    for i, (f0, f1, b1, b0) in enumerate(paper_pattern(pp, kind)):
         s0, s1 = i, 2 * p - 1 - i
         taken = {x % 6 for x in (f0, f1, b1, b0)}
         start[(F, s0)], start[(F, s1)], start[(B, s1)], start[(B, s0)] = (unit * x for x in (f0, f1, b1, b0))
