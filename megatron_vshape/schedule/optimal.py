@@ -33,14 +33,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .comm import ACT, input_message, is_remote, local_predecessor
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, StageCost, stage_table
-from .simulate import one_f_one_b_peak, peak_activations, simulate
+from .simulate import one_f_one_b_peak, simulate
 from .verify import verify
 
 INSTALL_HINT = "the exact reference needs OR-Tools: pip install 'megatron_vshape[optimal]' (ortools==9.15.6755)"

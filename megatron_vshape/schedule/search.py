@@ -413,9 +413,9 @@ def _legacy(name: str, pp: int, m: int, costs: Costs, cap: float) -> List[Schedu
     caps_of = lambda k: [int(cap + EPS)] * pp  # noqa: E731
     user = Costs(2 * costs.F, 2 * costs.B, 2 * costs.W, costs.C)  # legacy_search takes them per rank
     if name in vshape.PLANS:  # today's generator exactly: the search is never worse than it
-        groups = [vshape.PLANS[name], vshape.PAPER_PLANS]
+        groups = [vshape.PLANS[name]]
     else:
-        groups = [[p for plans in vshape.PLANS.values() for p in plans] + vshape.PAPER_PLANS]
+        groups = [[p for plans in vshape.PLANS.values() for p in plans]]
     out = []
     for plans in groups:
         try:
@@ -450,6 +450,55 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
     return out
 
 
+BLOCK_OPS = 16_000  # ops squeezed for the uniform-offset blocks of one problem: bounds CPU time
+STRETCHED = 4  # squeezed candidates carried to full length
+WHOLE_OPS = 3000  # runs of up to this many ops are squeezed at full length
+
+
+@lru_cache(maxsize=64)
+def _uniform_blocks(pp: int):
+    return slots.uniform_blocks(pp)
+
+
+def _squeezed_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
+    """Blocks repeated and squeezed on unit slots (slots.py): the paper's V-Min and V-Half
+    blocks, then the uniform-offset blocks that use the most memory the cap allows (the
+    steady state's bubble falls as blocks hold more), shortest first, within BLOCK_OPS
+    squeezed ops.  All are squeezed on the same few microbatches and compared there; the
+    best STRETCHED are carried to the full run."""
+    blocks = [(f"paper's {kind} block", slots.paper_pattern(P.pp, kind)) for kind in ("min", "half")]
+    peaks = [(slots.steady_peak(P, b), max(max(r) for r in b), b) for b in _uniform_blocks(P.pp)]
+    fitting = [x for x in peaks if x[0] <= P.cap + EPS]
+    top = max((x[0] for x in fitting), default=0.0)
+    work = BLOCK_OPS
+    for _, _, block in sorted(x for x in fitting if x[0] >= top - EPS):
+        work -= 6 * P.S * min(P.m, slots.small_m(block))
+        if work < 0:
+            break
+        blocks.append((f"uniform block {block[0]}/{block[1]}", block))
+    m_q = min(P.m, max(slots.small_m(b) for _, b in blocks))
+    if m_q == P.m or 6 * P.pp * P.m <= WHOLE_OPS:  # short runs: squeeze them whole (modes that
+        Q = P  # reshuffle the steady phase too are kept)
+    else:
+        Q = Problem(P.pp, m_q, P.costs, P.table, P.cap)
+    found = []
+    modes = slots.MODES if Q is P else ("steady",)  # only the steady mode stays periodic
+    for name, block in blocks:
+        for at_q, lazy_w, how in slots.squeeze_block(Q, block, modes):
+            score = Q.evaluate(slots.orders(Q, at_q))
+            if score is not None:
+                found.append((score, len(found), block, at_q, lazy_w, f"{name} squeezed ({how})"))
+    found.sort(key=lambda x: x[:2])
+    out = []
+    for _, _, block, at_q, lazy_w, how in found:
+        order = slots.stretched(P, Q, block, at_q, lazy_w)
+        if order is not None:
+            out.append((order, how))
+            if len(out) == STRETCHED:
+                break
+    return out
+
+
 NAMED_BUDGETS = (("v-min", lambda p: ((p + 4) // 3) / p), ("v-half", lambda p: ((p + 2) // 2) / p), ("v-zb", lambda p: 1.0))
 NAMED_BELOW_OPS = 3_000  # above this many ops v-auto skips it (planning time: 2 s at pp <= 16, m <= 128)
 
@@ -481,10 +530,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
-    for kind in ("min", "half"):
-        for k, order in enumerate(slots.squeezed(P, slots.paper_pattern(pp, kind))):
-            how = f"paper's {kind} block squeezed ({slots.MODES[k // 2]}, pass {k % 2 + 1})"
-            cands.append((P.evaluate(order), 50 + len(cands), order, how))
+    for order, how in _squeezed_candidates(P):
+        cands.append((P.evaluate(order), 50 + len(cands), order, how))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -537,25 +584,3 @@ def v_auto(pp: int, microbatches: int, costs: Costs = Costs(), memory_budget: Op
     check_no_options("v-auto", options)
     budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
     return plan("v-auto", pp, microbatches, costs, budget, stage_costs)
-
-
-def paper_block(pp: int, costs: Costs, kind: str, unit: float) -> "Block":
-    """The paper's V-Min / V-Half building block (its Appendix; slots of one op, repeated
-    every 6 slots): on rank i, chunk-0 F, chunk-1 F, chunk-1 B, chunk-0 B at the slots
-    below, each W in the first free slot after its B.  `unit` turns slots into time; the
-    block only sets preferences for blocks.reorder, which times ops by the real costs."""
-    from .blocks import Block
-
-    from .slots import paper_pattern
-
-    p = pp
-    start = {}
-    for i, (f0, f1, b1, b0) in enumerate(paper_pattern(pp, kind)):
-        s0, s1 = i, 2 * p - 1 - i
-        taken = {x % 6 for x in (f0, f1, b1, b0)}
-        start[(F, s0)], start[(F, s1)], start[(B, s1)], start[(B, s0)] = (unit * x for x in (f0, f1, b1, b0))
-        for stage, b in ((s1, b1), (s0, b0)):
-            w = next(b + k for k in range(1, 7) if (b + k) % 6 not in taken)
-            taken.add(w % 6)
-            start[(W, stage)] = unit * w
-    return Block(Placement("v", p, 2), costs, 6 * unit, start)

@@ -69,14 +69,15 @@ def uniform_blocks(pp: int) -> List[Tuple[Tuple[int, int, int, int], ...]]:
 
 def steady_peak(P, block: Block) -> float:
     """The most weighted activations any rank holds once `block` repeats without end: a
-    stage's copies live from their F's slot through their W's."""
+    stage's copies live from their F's slot through their W's, so at a slot of residue u a
+    stage living L slots from slot f holds L // 6 copies, one more where (u - f) % 6 < L % 6."""
     top = 0.0
     for r, (f0, f1, b1, b0) in enumerate(block):
         taken = {x % PERIOD for x in (f0, f1, b1, b0)}
-        lives = ((f1, _w_after(b1, taken), P.size[P.S - 1 - r]), (f0, _w_after(b0, taken), P.size[r]))
-        far = PERIOD * (max(w for _, w, _ in lives) // PERIOD + 2)
-        for t in range(far, far + PERIOD):  # copies k with f + 6k <= t <= w + 6k
-            top = max(top, sum(size * ((t - f) // PERIOD - (t - w + PERIOD - 1) // PERIOD + 1) for f, w, size in lives))
+        (q1, e1), (q0, e0) = divmod(_w_after(b1, taken) - f1 + 1, PERIOD), divmod(_w_after(b0, taken) - f0 + 1, PERIOD)
+        z1, z0 = P.size[P.S - 1 - r], P.size[r]
+        for u in range(PERIOD):
+            top = max(top, z1 * (q1 + ((u - f1) % PERIOD < e1)) + z0 * (q0 + ((u - f0) % PERIOD < e0)))
     return top
 
 
@@ -270,16 +271,16 @@ def _squeeze_cooldown(P, at: List[int], after: int) -> None:
 
 
 # Which ops the first pass moves: those of the warm-up and cool-down only (the paper's rule:
-# the steady phase is already bubble-free); also every F (so a cap above the block's peak
-# can pull forwards into the warm-up); or every op.
-MODES = ("steady", "forwards", "all")
+# the steady phase is already bubble-free), or every op (a cap above the block's peak then
+# pulls forwards into the warm-up).
+MODES = ("steady", "all")
 
 
-def _squeeze_all(P, block: Block) -> List[Tuple[List[int], bool]]:
+def squeeze_block(P, block: Block, modes: Sequence[str] = MODES) -> List[Tuple[List[int], bool, str]]:
     """Slots of every op after each mode's first pass and its second (when within the cap),
-    each with whether its W's were put back lazily (the second pass)."""
+    each with whether its W's were put back lazily (the second pass) and how it was made."""
     out = []
-    for mode in MODES:
+    for mode in modes:
         at = repeat(P, block)
         if at is None:
             return []
@@ -290,11 +291,11 @@ def _squeeze_all(P, block: Block) -> List[Tuple[List[int], bool]]:
             return []
         was = list(at)
         edge = lambda o: was[o] < first_b or was[o] > last_f  # noqa: E731
-        grid.squeeze({"steady": edge, "forwards": lambda o: o % 3 == 0 or edge(o), "all": lambda o: True}[mode], P.cap)
-        out.append((list(at), False))
+        grid.squeeze(edge if mode == "steady" else (lambda o: True), P.cap)
+        out.append((list(at), False, f"{mode}, pass 1"))
         _squeeze_cooldown(P, at, last_f)
         if P.fits(orders(P, at)):
-            out.append((at, True))
+            out.append((at, True, f"{mode}, pass 2"))
     return out
 
 
@@ -319,33 +320,33 @@ def _stretch(P, Q, base: List[int], at_q: List[int], lazy_w: bool, cut: int) -> 
     return at
 
 
-WHOLE_OPS = 6000
+def small_m(block: Block) -> int:
+    """Microbatches enough to squeeze this block: its warm-up, a steady stretch, its cool-down."""
+    return (_cut(block) + 4 * PERIOD) // PERIOD + 2
+
+
+def _cut(block: Block) -> int:
+    """A period boundary past every op of microbatch 0 (W's included): where to splice."""
+    return PERIOD * ((max(max(r) for r in block) + 2 * PERIOD) // PERIOD + 1)
+
+
+def stretched(P, Q, block: Block, at_q: List[int], lazy_w: bool) -> Optional[List[List[int]]]:
+    """P's order from Q's squeeze of `block` (Q: the same problem with m >= small_m(block),
+    fewer microbatches than P): only the warm-up and cool-down move, so the extra
+    microbatches' steady periods are spliced in unchanged.  None when Q's squeeze also
+    reshuffled the steady phase (not periodic: it does not carry over)."""
+    if Q.m == P.m:
+        return orders(P, at_q)
+    at = _stretch(P, Q, repeat(P, block, check=False), at_q, lazy_w, _cut(block))
+    if at is None:
+        return None
+    order = orders(P, at)
+    return order if P.fits(order) and P.evaluate(order) is not None else None
 
 
 def squeezed(P, block: Block) -> List[List[List[int]]]:
     """Orders from repeating `block` and squeezing it, for every mode, after the first pass
-    and after the second; empty when the block is not legal or exceeds the cap.
-
-    Only the warm-up and cool-down move, so the squeeze runs on just enough microbatches
-    (the steady phase repeats unchanged) and the extra periods are spliced in: the same
-    result at any m for the cost of a few block spans.  A mode that reshuffled the steady
-    phase too is squeezed at full length up to WHOLE_OPS ops, dropped above."""
-    span = max(max(r) for r in block) + 2 * PERIOD  # past every op of microbatch 0 (W's included)
-    cut = PERIOD * (span // PERIOD + 1)
-    m_small = (cut + 4 * PERIOD) // PERIOD + 2
-    if P.m <= m_small:
-        return [orders(P, at) for at, _ in _squeeze_all(P, block)]
-    Q = type(P)(P.pp, m_small, P.costs, P.table, P.cap)
-    base = repeat(P, block, check=False)  # legal: Q's repeat checked the same block
-    out, whole = [], None
-    for k, (at_q, lazy_w) in enumerate(_squeeze_all(Q, block)):
-        at = _stretch(P, Q, base, at_q, lazy_w, cut)
-        if at is None:  # that mode reshuffled the steady phase: not periodic
-            if 6 * P.pp * P.m > WHOLE_OPS:
-                continue
-            whole = whole or _squeeze_all(P, block)
-            at = whole[k][0]
-        order = orders(P, at)
-        if P.fits(order) and P.evaluate(order) is not None:
-            out.append(order)
-    return out
+    and after the second (squeezed on small_m microbatches, stretched to P's)."""
+    Q = P if P.m <= small_m(block) else type(P)(P.pp, small_m(block), P.costs, P.table, P.cap)
+    got = (stretched(P, Q, block, at_q, lazy_w) for at_q, lazy_w, _ in squeeze_block(Q, block))
+    return [order for order in got if order is not None]

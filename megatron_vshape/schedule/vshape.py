@@ -22,7 +22,6 @@ from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
 from .simulate import one_f_one_b_peak
-from .verify import verify
 
 
 def _place(busy: List[Tuple[float, float]], ready: float, dur: float, T: float) -> float:
@@ -116,14 +115,6 @@ def _build(name: str, plan: Plan, pp: int, m: int, costs: Costs, caps: Sequence[
     """One candidate schedule with its makespan in meta; raises Stuck or _Fail if it cannot."""
     if plan[0] == "rounds":
         return zb_v(name, pp, m, costs, caps[0], plan[1], plan[2])
-    if plan[0] == "paper":  # ("paper", "min" | "half", reserve): the paper's unit-slot blocks
-        from .search import paper_block
-
-        block = paper_block(pp, costs, plan[1], max(costs.F, costs.B, costs.W))
-        reserve = [2 * r + 1 for r in range(pp)] if plan[2] == "rank" else None
-        s = reorder(block, m, caps, name, reserve=reserve, safe=plan[2] == "safe")
-        s.meta["candidate"] = plan
-        return s
     cand = plan[1]
     block = preference_block(pp, costs, cand)
     reserve = [2 * r + 1 for r in range(pp)] if cand.reserve == "rank" else None
@@ -174,8 +165,6 @@ PLANS: Dict[str, List[Plan]] = {
     "v-zb": [("rounds", True, True), ("rounds", True, False)],
 }
 SAFE = Candidate(False, 1.0, 0, 0, 0, 0, "safe")
-# The paper's own V-Min and V-Half blocks on a grid of unit slots (search.paper_block).
-PAPER_PLANS: List[Plan] = [("paper", "half", "ahead"), ("paper", "min", "rank"), ("paper", "min", "ahead")]
 
 
 def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:

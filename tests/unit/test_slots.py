@@ -35,7 +35,7 @@ def test_long_runs_splice_the_steady_phase_exactly(kind, pp, m, budget):
     P = problem(pp, m, budget)
     block = slots.paper_pattern(pp, kind)
     spliced = slots.squeezed(P, block)
-    whole = [slots.orders(P, at) for at, _ in slots._squeeze_all(P, block)]
+    whole = [slots.orders(P, at) for at, _, _ in slots.squeeze_block(P, block)]
     assert spliced and all(order in whole for order in spliced)
 
 
