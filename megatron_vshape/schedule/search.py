@@ -310,7 +310,9 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     """Iterated local search, kept only where (makespan, sum of finish times) drops and the
     cap holds; at most `work` simulated ops in all (a count, so the result never depends on
     the clock).  First ops on the critical path move earlier on their rank; then seeded
-    moves of any op a few places either way; after `patience` moves without gain, a kick
+    moves of any op a few places either way, sideways ones (no worse) taken too so the
+    search crosses plateaus of equal makespan; after `patience` moves in a row rejected,
+    a kick
     (a few random valid moves taken whatever they cost) leaves the local optimum, and the
     best order seen is returned."""
     score = P.evaluate(order)
@@ -319,7 +321,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     rng = random.Random(seed)
     best, best_score = [o[:] for o in order], score
 
-    def attempt(r: int, i: int, j: int, force: bool = False) -> bool:
+    def attempt(r: int, i: int, j: int, force: bool = False, sideways: bool = False) -> bool:
         nonlocal score, budget, best, best_score
         if j < 0 or j >= len(order[r]) or i == j:
             return False
@@ -331,7 +333,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
             return False
         order[r] = new
         got = P.evaluate(order, math.inf if force else score[0] + EPS)
-        if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[1] < score[1] - EPS)):
+        if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[1] < score[1] + (EPS if sideways else -EPS))):
             score = got
             if got[0] < best_score[0] - EPS or (got[0] < best_score[0] + EPS and got[1] < best_score[1] - EPS):
                 best, best_score = [o[:] for o in order], got
@@ -357,7 +359,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     while budget > 0:
         r = rng.randrange(P.pp)
         i = rng.randrange(len(order[r]))
-        if attempt(r, i, i + rng.choice((-3, -2, -1, 1, 2, 3))):
+        if attempt(r, i, i + rng.choice((-3, -2, -1, 1, 2, 3)), sideways=True):
             idle = 0
             continue
         idle += 1

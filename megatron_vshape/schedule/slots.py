@@ -46,6 +46,7 @@ def uniform_blocks(pp: int) -> List[Tuple[Tuple[int, int, int, int], ...]]:
         return t + 1 + (residue - t - 1) % PERIOD
 
     for f1, b1, b0 in ((a, b, c) for a in range(1, 6) for b in range(1, 6) for c in range(1, 6) if len({a, b, c}) == 3):
+        clash = (0, PERIOD - b1)
         for d in range(1, PERIOD):
             for d2 in range(1, d + 1):
                 for switch in range(1, p if d2 < d else 2):
@@ -53,6 +54,10 @@ def uniform_blocks(pp: int) -> List[Tuple[Tuple[int, int, int, int], ...]]:
                     f0s = [0]
                     for x in step:
                         f0s.append(f0s[-1] + x)
+                    # Rank i's residues: chunk-0 F c, chunk-1 B b1 + c, chunk-1 F f1 - i,
+                    # chunk-0 B b0 - i (c its F's offset): all four must differ.
+                    if any((c - f1 + i) % PERIOD in clash or (c - b0 + i) % PERIOD in clash for i, c in enumerate(f0s)):
+                        continue
                     top_f1 = after(f0s[-1], (f1 - (p - 1)) % PERIOD)
                     f1s = [top_f1 + (p - 1 - i) for i in range(p)]
                     b1s = [after(f1s[0], b1)]
@@ -61,7 +66,7 @@ def uniform_blocks(pp: int) -> List[Tuple[Tuple[int, int, int, int], ...]]:
                     top_b0 = after(b1s[-1], (b0 - (p - 1)) % PERIOD)
                     b0s = [top_b0 + (p - 1 - i) for i in range(p)]
                     block = tuple(zip(f0s, f1s, b1s, b0s))
-                    if block not in seen and all(len({x % PERIOD for x in row}) == 4 for row in block):
+                    if block not in seen:
                         seen.add(block)
                         out.append(block)
     return out
