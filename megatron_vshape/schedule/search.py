@@ -11,9 +11,14 @@ candidates and keeps the shortest under the simulator's rules:
     chunk and for the second chunks of every microbatch already in flight, so no rank can
     ever wait for memory that never frees); W's fill waits, or run when memory is needed.
     Which op is most urgent is a priority rule; a fixed family of rules is tried;
+  * blocks repeated and squeezed on unit slots (slots.py, `_squeezed_candidates`): the
+    paper's V-Min and V-Half blocks and the uniform-offset family, warm-up and cool-down
+    moved to their earliest free slots under the cap;
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
     earlier on their rank, then seeded local moves, each kept only if the simulated
-    makespan (then the sum of rank finish times) drops and the cap still holds.
+    makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
+  * last, the best order's F's and B's kept and its W's placed anew by the greedy's rule
+    (into waits at least theta * W long, or where memory needs them), kept if shorter.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -166,12 +171,17 @@ RULES: Tuple[Tuple[str, float, str], ...] = tuple(
 )
 
 
-def greedy(P: Problem, order: str, theta: float, reserve: str = "all") -> List[List[int]]:
+def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
+           follow: Optional[Sequence[Sequence[int]]] = None) -> List[List[int]]:
     """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
-    can never proceed (only when the cap cannot hold one microbatch's two stages)."""
+    can never proceed (only when the cap cannot hold one microbatch's two stages).  With
+    `follow`, each rank runs that order's F's and B's in that order instead, and only the
+    W's are placed anew by the rule (into waits, or where memory needs them)."""
     pp, S, m, cap, size, dur = P.pp, P.S, P.m, P.cap + EPS, P.size, P.dur
     rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
     prefs = [(k[0], int(k[1])) for k in order.split()]
+    fb = None if follow is None else [[o for o in ops if o % 3 != 2] for ops in follow]
+    done_fb = [0] * pp
     end = [-1.0] * (3 * m * S)
     nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
     wq: List[List[int]] = [[] for _ in range(pp)]
@@ -191,14 +201,18 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all") -> List[L
             continue
         s0, s1 = stages[r]
         best, soonest, mem_blocked = -1, inf, False
-        for kind, chunk in prefs:
-            k = nxt[r][(kind, chunk)]
-            if k >= m:
-                continue
-            s = s1 if chunk else s0
-            o = 3 * (k * S + s) + (kind == B)
+        if fb is None:
+            ops = [3 * (nxt[r][(kind, chunk)] * S + (s1 if chunk else s0)) + (kind == B)
+                   for kind, chunk in prefs if nxt[r][(kind, chunk)] < m]
+        else:
+            ops = fb[r][done_fb[r]:done_fb[r] + 1]
+        for o in ops:
+            s = (o // 3) % S
+            kind, chunk = (F if o % 3 == 0 else B), int(s != s0)
             if kind == F:
-                if chunk == 0:
+                if fb is not None:
+                    need = size[s]
+                elif chunk == 0:
                     need = size[s0] + (pending[r] if reserve == "all" else 0.0) + size[s1]
                 else:
                     need = size[s1]
@@ -235,6 +249,8 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all") -> List[L
         finish = t + dur[s][slot]
         end[best] = finish
         out[r].append(best)
+        if slot != 2:
+            done_fb[r] += 1
         if slot == 0:
             live[r] += size[s]
             pending[r] += size[s1] if chunk == 0 else -size[s1]
@@ -380,6 +396,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
 RULE_WORK = 30_000  # greedy ops (each costs several simulated ones)
 IMPROVE_WORK = 2_000_000
 IMPROVE_STARTS = 3
+RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the end
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 
@@ -554,7 +571,15 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             how += f" + improve ({score[0]:g} -> {got[0]:g})"
         results.append((got, k, better, how))
     results.sort(key=lambda c: (c[0], c[1]))
-    _, _, best, how = results[0]
+    score, _, best, how = results[0]
+    for theta in RETIME_THETAS:  # the best order's F's and B's kept, its W's placed anew
+        try:
+            got = greedy(P, "", theta, follow=best)
+        except Stuck:
+            continue
+        new = P.evaluate(got)
+        if new is not None and new < score and new[0] < score[0] + EPS and P.fits(got):
+            score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
     return tuple(tuple(o) for o in best), how
 
 

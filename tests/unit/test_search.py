@@ -61,9 +61,9 @@ def test_v_half_at_pp4_m8_toward_the_proven_optimum():
     assert 53.8 - 1e-9 <= simulate(registry.build("v-half", 4, 8, SKEWED)).makespan <= 54.2 + 1e-9
 
 
-def test_v_zb_toward_the_proven_optimum_at_pp4_m12():
-    # Proven optimum 77.25 (6.80%); ours before and the official 78.75 (8.57%); not reached yet.
-    assert 77.25 - 1e-9 <= simulate(registry.build("v-zb", 4, 12, HOP)).makespan < 78.75
+def test_v_zb_reaches_the_proven_optimum_at_pp4_m12():
+    # Proven optimum 77.25 (6.80%); ours before and the official 78.75 (8.57%).
+    assert simulate(registry.build("v-zb", 4, 12, HOP)).makespan == pytest.approx(77.25, abs=1e-9)
 
 
 def test_v_auto_bubble_never_rises_with_the_budget():
