@@ -148,3 +148,16 @@ def test_cli_budget_and_stage_costs(tmp_path, capsys):
     sc.write_text(json.dumps({"stage_costs": [{"F": 1, "B": 1.1, "W": 0.8}] * 5}))
     assert cli.main(["compare", "--pp", "4", "--microbatches", "8", "--stage-costs", str(sc)]) == 2
     assert "give 8 entries" in capsys.readouterr().err
+
+
+def test_w_replacement_keeps_every_ranks_forwards_and_backwards():
+    s = registry.build("v-half", 4, 8, SKEWED)
+    per_stage = SKEWED.per_stage(2)
+    P = search.Problem(4, 8, per_stage, [search.StageCost(per_stage.F, per_stage.B, per_stage.W)] * 8,
+                       search.cap_of(4, 8, s.memory_budget))
+    order = P.encode(s.ranks)
+    for theta in search.RETIME_THETAS:
+        got = search.greedy(P, "", theta, follow=order)
+        assert [[o for o in ops if o % 3 != 2] for ops in got] == [[o for o in ops if o % 3 != 2] for ops in order]
+        assert P.fits(got)
+        verify(P.schedule("v-half", got, s.memory_budget, None, {}))
