@@ -567,7 +567,7 @@ def run(args, plan) -> dict:
     placement = plan.schedule.placement if plan else Placement("single", 1)
     args.plan = plan
     init_parallel(args, placement)
-    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank()
     pp, tp, dp, m = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.data_parallel_size, \
         args.num_microbatches
     name = plan.name if plan else "none"
@@ -760,7 +760,6 @@ def _summary(args, plan, history, peak_act, rss0, device):
 
     # Op times from the second iteration on (the first warms up), per rank's share of the model.
     steady = history[1:] or history
-    chunks = plan.schedule.placement.chunks if plan else 1
     kinds = {}
     for h in steady:
         for kind, value in h["figures"]["kinds"].items():

@@ -36,7 +36,6 @@ ARGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attent
 
 
 def _rank(rank, world, argv, mlm, steps, lr):
-    import contextlib
     from functools import partial
     from unittest import mock
 
