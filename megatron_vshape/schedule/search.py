@@ -326,10 +326,9 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     cap holds; at most `work` simulated ops in all (a count, so the result never depends on
     the clock).  First ops on the critical path move earlier on their rank; then seeded
     moves of any op a few places either way, sideways ones (no worse) taken too so the
-    search crosses plateaus of equal makespan; after `patience` moves in a row rejected,
-    a kick
-    (a few random valid moves taken whatever they cost) leaves the local optimum, and the
-    best order seen is returned."""
+    search crosses plateaus of equal makespan; after `patience` moves in a row rejected, a
+    kick (a few random valid moves taken whatever they cost) leaves the local optimum, and
+    the best order seen is returned."""
     score = P.evaluate(order)
     n_ops = sum(len(o) for o in order)
     budget = work // max(1, n_ops)

@@ -284,18 +284,15 @@ MODES = ("steady", "all")
 def squeeze_block(P, block: Block, modes: Sequence[str] = MODES) -> List[Tuple[List[int], bool, str]]:
     """Slots of every op after each mode's first pass and its second (when within the cap),
     each with whether its W's were put back lazily (the second pass) and how it was made."""
+    was = repeat(P, block)
+    if was is None or max(max(row) for row in _Grid(P, was).live) > P.cap + EPS:
+        return []
+    first_b, last_f = was[1], was[3 * (P.m - 1) * P.S]  # rank 0's first chunk-0 B, its last chunk-0 F
+    edge = lambda o: was[o] < first_b or was[o] > last_f  # noqa: E731
     out = []
     for mode in modes:
-        at = repeat(P, block)
-        if at is None:
-            return []
-        S, m = P.S, P.m
-        first_b, last_f = at[1], at[3 * (m - 1) * S]  # rank 0's first chunk-0 B, its last chunk-0 F
+        at = list(was)
         grid = _Grid(P, at)
-        if max(max(row) for row in grid.live) > P.cap + EPS:
-            return []
-        was = list(at)
-        edge = lambda o: was[o] < first_b or was[o] > last_f  # noqa: E731
         grid.squeeze(edge if mode == "steady" else (lambda o: True), P.cap)
         out.append((list(at), False, f"{mode}, pass 1"))
         _squeeze_cooldown(P, at, last_f)
