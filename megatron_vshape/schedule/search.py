@@ -17,8 +17,10 @@ candidates and keeps the shortest under the simulator's rules:
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
     earlier on their rank, then seeded local moves, each kept only if the simulated
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
-  * last, the best order's F's and B's kept and its W's placed anew by the greedy's rule
-    (into waits at least theta * W long, or where memory needs them), kept if shorter.
+  * then the best order's F's and B's kept and its W's placed anew by the greedy's rule
+    (into waits at least theta * W long, or where memory needs them), kept if shorter;
+  * last, on short runs, one more improvement of the best order with ties of makespan
+    broken by the F's and B's end times (a W waits for nobody), kept if shorter.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -30,6 +32,7 @@ stage's size (1 when stages are equal; at m >= p that is floor(X * 2p) plain one
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -80,13 +83,19 @@ class Problem:
         return Schedule(name, self.placement, self.m, self.costs, ranks, meta,
                         None if stage_costs is None else tuple(stage_costs), budget)
 
-    def evaluate(self, order: Sequence[Sequence[int]], limit: float = math.inf) -> Optional[Tuple[float, float]]:
-        """(makespan, sum of rank finish times) of the eager run, or None on deadlock (or as
-        soon as an op ends after `limit`).  The simulator's rules (simulate.run_lists), on
-        integer ops."""
+    def evaluate(self, order: Sequence[Sequence[int]], limit: float = math.inf) -> Optional[Tuple[float, float, float]]:
+        """(makespan, sum of rank finish times, sum of the F's and B's end times) of the
+        eager run, or None on deadlock (or as soon as an op ends after `limit`).  The
+        simulator's rules (simulate.run_lists), on integer ops.  The two sums break ties of
+        makespan: the first favours ranks that finish early, the second the ops other ranks
+        wait for (a W waits for nobody)."""
+        return self.run(order, limit, [-1.0] * (3 * self.m * self.S), [0] * self.pp, [0.0] * self.pp)
+
+    def run(self, order: Sequence[Sequence[int]], limit: float, end: List[float], pos: List[int],
+            free: List[float]) -> Optional[Tuple[float, float, float]]:
+        """evaluate() from a given state: `end` of every op done (-1 if not), each rank's next
+        position and its free time.  Fills `end` in place."""
         S, pp, dur, f_hop, b_hop = self.S, self.pp, self.dur, self.f_hop, self.b_hop
-        end = [-1.0] * (3 * self.m * S)
-        pos, free = [0] * pp, [0.0] * pp
         lens = [len(o) for o in order]
         moved = True
         while moved:
@@ -129,7 +138,7 @@ class Problem:
                     pos[r], free[r] = i, t
         if pos != lens:
             return None
-        return max(free), sum(free)
+        return max(free), sum(free), sum(end[0::3]) + sum(end[1::3])
 
     def inputs(self, o: int) -> List[Tuple[int, float]]:
         """The ops `o` waits for, each with the hop after it (the simulator's rules)."""
@@ -321,17 +330,68 @@ def _critical(P: Problem, order: List[List[int]]) -> List[Tuple[int, int]]:
     return path
 
 
-def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patience: int = 250) -> List[List[int]]:
-    """Iterated local search, kept only where (makespan, sum of finish times) drops and the
-    cap holds; at most `work` simulated ops in all (a count, so the result never depends on
-    the clock).  First ops on the critical path move earlier on their rank; then seeded
+class _Rerun:
+    """The eager run of the order being improved, kept between moves so that a move re-runs
+    only what it can change.  An op that started before the moved rank's first changed
+    position ends (time t0) started then in the new order too: by induction on start
+    times, everything it waits for started, and ended, before it, and no op of that rank
+    from that position on starts before t0.  So each rank resumes at its first op that
+    started at t0 or later (EPS below: zero-cost ops start exactly at t0)."""
+
+    def __init__(self, P: Problem, order: List[List[int]]):
+        self.P = P
+        self.reset(order)
+
+    def reset(self, order: List[List[int]]) -> Tuple[float, float, float]:
+        P = self.P
+        self.end = [-1.0] * (3 * P.m * P.S)
+        self.score = P.run(order, math.inf, self.end, [0] * P.pp, [0.0] * P.pp)
+        self.starts = [self._starts(ops) for ops in order]
+        return self.score
+
+    def _starts(self, ops: Sequence[int]) -> List[float]:
+        dur, S, end = self.P.dur, self.P.S, self.end
+        return [end[o] - dur[(o // 3) % S][o % 3] for o in ops]
+
+    def trial(self, order: List[List[int]], r: int, lo: int, limit: float) -> Optional[Tuple[float, float, float]]:
+        """The score of `order`, which differs from the last committed one only on rank `r`
+        from position `lo`; commit() keeps it."""
+        P = self.P
+        t0 = self.end[order[r][lo - 1]] if lo else 0.0
+        end = self.end[:]
+        keep, free = [], []
+        for q, ops in enumerate(order):
+            k = bisect.bisect_left(self.starts[q], t0 - EPS)
+            if q == r and k > lo:
+                k = lo
+            for o in ops[k:]:
+                end[o] = -1.0
+            keep.append(k)
+            free.append(end[ops[k - 1]] if k else 0.0)
+        got = P.run(order, limit, end, list(keep), free)
+        self._pending = (keep, got, end)
+        return got
+
+    def commit(self, order: List[List[int]]) -> None:
+        keep, self.score, self.end = self._pending
+        for q, k in enumerate(keep):
+            self.starts[q][k:] = self._starts(order[q][k:])
+
+
+def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patience: int = 250,
+            tie: int = 1) -> Tuple[List[List[int]], int]:
+    """Iterated local search, kept only where (makespan, then evaluate's tie-breaker `tie`)
+    drops and the cap holds; at most `work` simulated ops in all (a count, so the result
+    never depends on the clock), and the work left when it converged is returned with the
+    best order.  First ops on the critical path move earlier on their rank; then seeded
     moves of any op a few places either way, sideways ones (no worse) taken too so the
     search crosses plateaus of equal makespan; after `patience` moves in a row rejected, a
     kick (a few random valid moves taken whatever they cost) leaves the local optimum, and
     the best order seen is returned."""
-    score = P.evaluate(order)
+    sim = _Rerun(P, order)
+    score = sim.score
     n_ops = sum(len(o) for o in order)
-    budget = work // max(1, n_ops)
+    budget = work // max(1, n_ops)  # moves tried, each counted as a whole run
     rng = random.Random(seed)
     best, best_score = [o[:] for o in order], score
 
@@ -346,10 +406,11 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
         if P.peak(new) > P.cap + EPS:
             return False
         order[r] = new
-        got = P.evaluate(order, math.inf if force else score[0] + EPS)
-        if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[1] < score[1] + (EPS if sideways else -EPS))):
+        got = sim.trial(order, r, min(i, j), math.inf if force else score[0] + EPS)
+        if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[tie] < score[tie] + (EPS if sideways else -EPS))):
             score = got
-            if got[0] < best_score[0] - EPS or (got[0] < best_score[0] + EPS and got[1] < best_score[1] - EPS):
+            sim.commit(order)
+            if got[0] < best_score[0] - EPS or (got[0] < best_score[0] + EPS and got[tie] < best_score[tie] - EPS):
                 best, best_score = [o[:] for o in order], got
             return True
         order[r] = ops
@@ -383,12 +444,12 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
             if stale >= STALE_KICKS:
                 break  # converged: kicks from the best order keep finding nothing better
             order[:] = [o[:] for o in best]
-            score, idle, kicked = best_score, 0, 0
+            score, idle, kicked = sim.reset(order), 0, 0
             while kicked < 3 and budget > 0:
                 r = rng.randrange(P.pp)
                 i = rng.randrange(len(order[r]))
                 kicked += attempt(r, i, i + rng.choice((-2, -1, 1, 2)), force=True)
-    return best
+    return best, max(0, budget) * n_ops
 
 
 # Ops simulated by the search for one problem (selection plus improvement): bounds CPU time.
@@ -555,21 +616,22 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             cands.append((got, 100 + len(cands), order, how))
     if not cands:
         raise Stuck(f"{name}: no candidate fits cap {cap:g} at pp={pp}, microbatches={m}")
-    cands.sort(key=lambda c: (c[0], c[1]))
+    cands.sort(key=lambda c: (c[0][:2], c[1]))
     # Improve the best few distinct starts (different basins), sharing IMPROVE_WORK.
-    starts = [c for k, c in enumerate(cands) if k == 0 or c[0] != cands[k - 1][0]][:IMPROVE_STARTS]
+    starts = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
     n_ops = 6 * pp * m
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
-    results = []
+    results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
-        better = improve(P, [o[:] for o in order], work // len(starts), seed=k)
+        better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
+        left += unused
         got = P.evaluate(better)
         if got[0] < score[0] - EPS:
             how += f" + improve ({score[0]:g} -> {got[0]:g})"
         results.append((got, k, better, how))
-    results.sort(key=lambda c: (c[0], c[1]))
+    results.sort(key=lambda c: (c[0][:2], c[1]))
     score, _, best, how = results[0]
     for theta in RETIME_THETAS:  # the best order's F's and B's kept, its W's placed anew
         try:
@@ -577,8 +639,17 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         except Stuck:
             continue
         new = P.evaluate(got)
-        if new is not None and new < score and new[0] < score[0] + EPS and P.fits(got):
+        if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
+    if n_ops <= IMPROVE_FULL_OPS:
+        left += work // len(starts)  # short runs: time for one more start's share
+    if left:
+        # Improve the best once more, ties of makespan broken the other way (F's and B's
+        # early, W's late): that leaves plateaus the first pass could not.
+        better, _ = improve(P, [o[:] for o in best], left, seed=len(starts), tie=2)
+        got = P.evaluate(better)
+        if got[0] < score[0] - EPS:
+            score, best, how = got, better, how + f" + improve, W's late on ties ({score[0]:g} -> {got[0]:g})"
     return tuple(tuple(o) for o in best), how
 
 
