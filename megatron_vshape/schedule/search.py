@@ -14,6 +14,8 @@ candidates and keeps the shortest under the simulator's rules:
   * blocks repeated and squeezed on unit slots (slots.py, `_squeezed_candidates`): the
     paper's V-Min and V-Half blocks and the uniform-offset family, warm-up and cool-down
     moved to their earliest free slots under the cap;
+  * with few microbatches (m <= p, short runs), the squeezed and greedy candidates built
+    for one stage-activation more, repaired under the cap (`refit`);
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
     earlier on their rank, then seeded local moves, each kept only if the simulated
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
@@ -391,7 +393,12 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     sim = _Rerun(P, order)
     score = sim.score
     n_ops = sum(len(o) for o in order)
-    budget = work // max(1, n_ops)  # moves tried, each counted as a whole run
+    # Moves tried, each counted as a whole run; and tiny runs (under ~60 ops), where a move
+    # costs its fixed overhead more than its ops, at most MAX_SWEEPS times each op's moves.
+    budget = work // max(1, n_ops)
+    swept = budget > MAX_SWEEPS * 6 * n_ops
+    if swept:
+        budget = MAX_SWEEPS * 6 * n_ops
     rng = random.Random(seed)
     best, best_score = [o[:] for o in order], score
 
@@ -449,7 +456,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
                 r = rng.randrange(P.pp)
                 i = rng.randrange(len(order[r]))
                 kicked += attempt(r, i, i + rng.choice((-2, -1, 1, 2)), force=True)
-    return best, max(0, budget) * n_ops
+    return best, 0 if swept else max(0, budget) * n_ops
 
 
 # Ops simulated by the search for one problem (selection plus improvement): bounds CPU time.
@@ -458,6 +465,7 @@ IMPROVE_WORK = 2_000_000
 IMPROVE_STARTS = 3
 RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the end
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
+MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 
 
@@ -577,6 +585,87 @@ def _squeezed_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
     return out
 
 
+REFIT_WORK = 300_000  # simulated ops per order brought under a smaller cap (bounds CPU time)
+REFIT_OPS = 400  # runs of up to this many ops get refit candidates (planning time)
+
+
+def _overflow(P: Problem, ops: Sequence[int]) -> int:
+    """Position of the first F that takes the rank over the cap, or -1."""
+    live, S, size, cap = 0.0, P.S, P.size, P.cap + EPS
+    for k, o in enumerate(ops):
+        if o % 3 == 0:
+            live += size[(o // 3) % S]
+            if live > cap:
+                return k
+        elif o % 3 == 2:
+            live -= size[(o // 3) % S]
+    return -1
+
+
+def refit(P: Problem, order: List[List[int]], seed: int = 0, work: int = REFIT_WORK) -> Optional[List[List[int]]]:
+    """An order made for a larger cap brought under P's by local repair, or None: at a rank's
+    first overflow, the F moves after one of the next W's, or a W whose B ran already moves
+    before it, or the F a few places later; a move is kept when the memory over the cap
+    (summed over ranks) drops, or stays and the makespan does not grow.  At most `work`
+    simulated ops (each move a whole run); it gives up after 2 * pp overflows in a row where no move
+    helps.  Deterministic."""
+    rng = random.Random(seed)
+    order = [o[:] for o in order]
+    over = lambda: sum(max(0.0, P.peak(o) - P.cap) for o in order)  # noqa: E731
+    got = P.evaluate(order)
+    if got is None:
+        return None
+    score, tries, failed = (over(), got[0]), 0, 0
+    while score[0] > EPS and tries * P.m * 6 * P.pp < work:
+        r = rng.choice([q for q in range(P.pp) if _overflow(P, order[q]) >= 0])
+        ops = order[r]
+        k = _overflow(P, ops)
+        at = {o: i for i, o in enumerate(ops)}
+        moves = [(k, i) for i in [i for i in range(k + 1, len(ops)) if ops[i] % 3 == 2][:4]]
+        moves += [(i, k) for i in range(k + 1, len(ops)) if ops[i] % 3 == 2 and at[ops[i] - 1] < k]
+        moves += [(k, k + d) for d in (1, 2, 3) if k + d < len(ops)]
+        rng.shuffle(moves)
+        for i, j in moves:
+            tries += 1
+            new = ops[:]
+            new.insert(j, new.pop(i))
+            order[r] = new
+            got = P.evaluate(order)
+            if got is not None:
+                trial = (over(), got[0])
+                if trial[0] < score[0] - EPS or (trial[0] < score[0] + EPS and trial[1] < score[1] + EPS):
+                    score = trial
+                    break
+            order[r] = ops
+        else:
+            failed += 1
+            if failed >= 2 * P.pp:
+                return None  # no move helps at any overflow: a local minimum above the cap
+            continue
+        failed = 0
+    return order if score[0] <= EPS else None
+
+
+def _refit_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
+    """Few microbatches (m <= p: the whole run is warm-up and cool-down, no steady block): the
+    squeezed and greedy candidates built for one stage-activation more, brought under the cap
+    by refit().  Between the named budgets, repairing those beats building for the cap."""
+    if P.m > P.pp or P.cap + 1 > 2 * P.m * max(P.size) + EPS:
+        return []  # the cap holds every activation already: a larger one changes nothing
+    Q = Problem(P.pp, P.m, P.costs, P.table, P.cap + 1)
+    out = []
+    for source in (_squeezed_candidates, _greedy_candidates):  # the best refit of each
+        best = None
+        for k, (order, how) in enumerate(source(Q)):
+            got = refit(P, order, seed=k)
+            score = None if got is None else P.evaluate(got)
+            if score is not None and (best is None or score[:2] < best[0][:2]):
+                best = (score, got, f"{how} at cap {Q.cap:g}, refit to {P.cap:g}")
+        if best is not None:
+            out.append(best[1:])
+    return out
+
+
 NAMED_BUDGETS = (("v-min", lambda p: ((p + 4) // 3) / p), ("v-half", lambda p: ((p + 2) // 2) / p), ("v-zb", lambda p: 1.0))
 NAMED_BELOW_OPS = 3_000  # above this many ops v-auto skips it (planning time: 2 s at pp <= 16, m <= 128)
 
@@ -614,12 +703,18 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         got = P.evaluate(order)
         if got is not None:
             cands.append((got, 100 + len(cands), order, how))
-    if not cands:
+    n_ops = 6 * pp * m
+    refits = []
+    if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
+        for order, how in _refit_candidates(P):
+            refits.append((P.evaluate(order), 200 + len(refits), order, how))
+    if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    # Improve the best few distinct starts (different basins), sharing IMPROVE_WORK.
+    # Improve the best few distinct starts (different basins), sharing IMPROVE_WORK, and the
+    # refit ones (other basins again).
     starts = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
-    n_ops = 6 * pp * m
+    starts += [c for c in refits if all(c[0][:2] != s[0][:2] for s in starts)]
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above

@@ -62,17 +62,8 @@ def test_solution_verifies_and_resimulates_to_its_claim(inst):
     assert result.makespan <= simulate(schedule).makespan + 1e-9  # the generator is one solution
 
 
-# Measured on main at 23:28 UTC, with the planner's search (issue 7 item 2): where it is more
-# than 2% above the optimum (one named V, two v-auto budgets between V-Min's and V-ZB's).
-# Before the search, v-min pp=4 m=4 was 2.47% and v-zb pp=4 m=4 4.27% above; it closed both.
-_GAP_TODAY = {("v-auto", 4, 4, "2,2.2,1.6,0.05", 0.625): "planner's v-auto 34.7 vs optimum 33.5: 3.58%",
-              ("v-auto", 4, 4, "2,2.2,1.6,0.05", 0.875): "planner's v-auto 30.6 vs optimum 28.2: 8.51%"}
-PLANNER_CASES = [pytest.param(i, marks=pytest.mark.xfail(reason=_GAP_TODAY[i], strict=False)) if i in _GAP_TODAY else i
-                 for i in INSTANCES]
-
-
 @needs_ortools
-@pytest.mark.parametrize("inst", PLANNER_CASES, ids=ID)
+@pytest.mark.parametrize("inst", INSTANCES, ids=ID)
 def test_planner_within_two_percent_of_optimum(inst):
     schedule, result = _solved(*inst)
     assert result.status == "optimal", result.to_dict()

@@ -190,3 +190,19 @@ def test_w_replacement_keeps_every_ranks_forwards_and_backwards():
         assert [[o for o in ops if o % 3 != 2] for ops in got] == [[o for o in ops if o % 3 != 2] for ops in order]
         assert P.fits(got)
         verify(P.schedule("v-half", got, s.memory_budget, None, {}))
+
+
+def test_refit_brings_an_order_under_a_smaller_cap():
+    # Few microbatches between the named budgets: greedy and squeezed orders made for one
+    # stage-activation more, repaired under the cap, keep every op and fit it.
+    costs = Costs.parse("2,2.2,1.6,0.05").per_stage(2)
+    table = stage_table(costs, 8, None)
+    P = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 0.625))
+    got = search._refit_candidates(P)
+    assert got
+    for order, how in got:
+        assert "refit to 5" in how
+        assert P.fits(order) and P.evaluate(order) is not None
+        assert sorted(o for ops in order for o in ops) == list(range(3 * 4 * 8))  # every F, B and W once
+    wide = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 2.0))
+    assert search._refit_candidates(wide) == []  # the cap holds every activation already
