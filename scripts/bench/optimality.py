@@ -1,0 +1,81 @@
+"""The planner against the exact reference on small instances: how far v-auto's plan is above
+the optimum that OR-Tools CP-SAT proves (pip install '.[optimal]'), at every cap on the V from
+V-Min's to 1F1B's.
+
+Default grid: pp 2, 3, 4; microbatches p, 2p and 3p (at most 8); the three cost sets of
+schedules.py.  Each budget is the smallest that gives its cap (one stage-activation per step).
+
+    python scripts/bench/optimality.py [--pp 2,3,4] [--time-limit 40] [--csv out/bench_optimality.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+from megatron_vshape.cli import format_table
+from megatron_vshape.schedule import optimal, registry, search
+from megatron_vshape.schedule.ops import Costs
+from megatron_vshape.schedule.simulate import simulate
+
+COST_SETS = ("1,1,1,0", "2,2,2,0.25", "2,2.2,1.6,0.05")
+FIELDS = ("pp", "microbatches", "costs", "budget", "cap", "planner", "optimum", "status", "gap", "plan_s")
+
+
+def budgets(pp: int, m: int):
+    """(budget, cap): for every cap from V-Min's to 1F1B's, the smallest budget giving it."""
+    out = {}
+    for k in range(8 * pp + 1):
+        b = search.min_budget(pp) + k / (8 * pp)
+        if b > 1.0 + 1e-9:
+            break
+        out.setdefault(search.cap_of(pp, m, b), round(b, 6))
+    return [(b, cap) for cap, b in sorted(out.items())]
+
+
+def rows(pps, limit: float):
+    for pp in pps:
+        for m in sorted({pp, 2 * pp, min(8, 3 * pp)}):
+            for costs in COST_SETS:
+                for budget, cap in budgets(pp, m):
+                    search._plan.cache_clear()
+                    t = time.process_time()
+                    plan = registry.build("v-auto", pp, m, Costs.parse(costs), memory_budget=budget)
+                    took = time.process_time() - t
+                    result = optimal.solve(optimal.problem_of(plan), limit, hint=plan)
+                    ms = simulate(plan).makespan
+                    yield {"pp": pp, "microbatches": m, "costs": costs, "budget": budget, "cap": cap,
+                           "planner": round(ms, 6), "optimum": round(result.makespan, 6), "status": result.status,
+                           "gap": ms / result.makespan - 1, "plan_s": round(took, 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", default="2,3,4", help="comma-separated pipeline sizes (default 2,3,4)")
+    ap.add_argument("--time-limit", type=float, default=40.0, help="solver seconds per instance (default 40)")
+    ap.add_argument("--csv", default="out/bench_optimality.csv", help="where to write the CSV")
+    args = ap.parse_args(argv)
+    optimal.require_ortools()
+    done = []
+    for row in rows([int(x) for x in args.pp.split(",") if x], args.time_limit):
+        done.append(row)
+        print(f"pp={row['pp']} m={row['microbatches']} {row['costs']} budget {row['budget']:g}: planner "
+              f"{row['planner']:g}, {row['status']} {row['optimum']:g}, gap {row['gap']:.2%}", flush=True)
+    os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+    with open(args.csv, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(done)
+    proven = [r for r in done if r["status"] == "optimal"]
+    gaps = sorted((r["gap"] for r in proven), reverse=True)
+    print(format_table(["instances", "proven", "at optimum", "above 2%", "mean gap", "max gap"],
+                       [[len(done), len(proven), sum(g <= 1e-9 for g in gaps), sum(g > 0.02 for g in gaps),
+                         f"{sum(gaps) / max(1, len(gaps)):.3%}", f"{gaps[0]:.2%}" if gaps else "-"]]))
+    print(f"CSV: {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
