@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence
 from . import registry
 from .errors import ConfigError
 from .ops import Costs, StageCost
-from .search import MAX_BUDGET, min_budget
-from .simulate import one_f_one_b_peak, simulate
+from .search import budget_steps
+from .simulate import simulate
 
 BASELINES = ("1f1b", "1f1b-interleaved", "zb-h1", "zb-h2")
 
@@ -37,13 +37,9 @@ class Point:
 def frontier(pp: int, microbatches: int, costs: Optional[Costs] = None,
              stage_costs: Optional[Sequence[StageCost]] = None) -> List[Point]:
     """The v-auto points (budget ascending) then the baselines that serve these sizes."""
-    unit = 2 * one_f_one_b_peak(pp, microbatches)  # stage-activations of 1F1B's rank 0
-    low = min_budget(pp)
-    first = -(-round(low * unit * 1e9) // 10**9)  # ceil without float noise
     points: List[Point] = []
     best = None
-    for cap in range(first, int(MAX_BUDGET * unit) + 1):
-        budget = max(low, cap / unit)
+    for _, budget in budget_steps(pp, microbatches):
         try:
             s = registry.build("v-auto", pp, microbatches, costs, stage_costs=stage_costs, memory_budget=budget)
         except ConfigError:

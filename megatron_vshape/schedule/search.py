@@ -474,6 +474,15 @@ def cap_of(pp: int, microbatches: int, budget: float) -> float:
     return math.floor(budget * 2 * one_f_one_b_peak(pp, microbatches) + 1e-9)
 
 
+def budget_steps(pp: int, microbatches: int, high: float = MAX_BUDGET) -> List[Tuple[int, float]]:
+    """Every cap on the V from V-Min's budget up to `high`, one stage-activation per step,
+    each with the smallest budget that gives it: (cap, budget)."""
+    unit = 2 * one_f_one_b_peak(pp, microbatches)  # stage-activations of 1F1B's rank 0
+    low = min_budget(pp)
+    first = -(-round(low * unit * 1e9) // 10**9)  # ceil without float noise
+    return [(cap, max(low, cap / unit)) for cap in range(first, int(high * unit + 1e-9) + 1)]
+
+
 def check_budget(name: str, pp: int, microbatches: int, budget: float, table: Sequence[StageCost]) -> float:
     low = min_budget(pp)
     if not (isinstance(budget, (int, float)) and low - 1e-12 <= budget <= MAX_BUDGET):
@@ -607,17 +616,17 @@ def refit(P: Problem, order: List[List[int]], seed: int = 0, work: int = REFIT_W
     first overflow, the F moves after one of the next W's, or a W whose B ran already moves
     before it, or the F a few places later; a move is kept when the memory over the cap
     (summed over ranks) drops, or stays and the makespan does not grow.  At most `work`
-    simulated ops (each move a whole run); it gives up after 2 * pp overflows in a row where no move
-    helps.  Deterministic."""
+    simulated ops (each move a whole run); it gives up after 2 * pp overflows in a row where
+    no move helps.  Deterministic."""
     rng = random.Random(seed)
     order = [o[:] for o in order]
-    over = lambda: sum(max(0.0, P.peak(o) - P.cap) for o in order)  # noqa: E731
+    excess = [max(0.0, P.peak(o) - P.cap) for o in order]  # per rank; only a moved rank's changes
     got = P.evaluate(order)
     if got is None:
         return None
-    score, tries, failed = (over(), got[0]), 0, 0
+    score, tries, failed = (sum(excess), got[0]), 0, 0
     while score[0] > EPS and tries * P.m * 6 * P.pp < work:
-        r = rng.choice([q for q in range(P.pp) if _overflow(P, order[q]) >= 0])
+        r = rng.choice([q for q in range(P.pp) if excess[q] > EPS])
         ops = order[r]
         k = _overflow(P, ops)
         at = {o: i for i, o in enumerate(ops)}
@@ -632,10 +641,12 @@ def refit(P: Problem, order: List[List[int]], seed: int = 0, work: int = REFIT_W
             order[r] = new
             got = P.evaluate(order)
             if got is not None:
-                trial = (over(), got[0])
+                was, excess[r] = excess[r], max(0.0, P.peak(new) - P.cap)
+                trial = (sum(excess), got[0])
                 if trial[0] < score[0] - EPS or (trial[0] < score[0] + EPS and trial[1] < score[1] + EPS):
                     score = trial
                     break
+                excess[r] = was
             order[r] = ops
         else:
             failed += 1
@@ -646,10 +657,11 @@ def refit(P: Problem, order: List[List[int]], seed: int = 0, work: int = REFIT_W
     return order if score[0] <= EPS else None
 
 
-def _refit_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
+def _refit_candidates(P: Problem) -> List[Tuple[Tuple[float, float, float], List[List[int]], str]]:
     """Few microbatches (m <= p: the whole run is warm-up and cool-down, no steady block): the
     squeezed and greedy candidates built for one stage-activation more, brought under the cap
-    by refit().  Between the named budgets, repairing those beats building for the cap."""
+    by refit(), each with its score.  Between the named budgets, repairing those beats
+    building for the cap."""
     if P.m > P.pp or P.cap + 1 > 2 * P.m * max(P.size) + EPS:
         return []  # the cap holds every activation already: a larger one changes nothing
     Q = Problem(P.pp, P.m, P.costs, P.table, P.cap + 1)
@@ -662,7 +674,7 @@ def _refit_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
             if score is not None and (best is None or score[:2] < best[0][:2]):
                 best = (score, got, f"{how} at cap {Q.cap:g}, refit to {P.cap:g}")
         if best is not None:
-            out.append(best[1:])
+            out.append(best)
     return out
 
 
@@ -706,8 +718,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     n_ops = 6 * pp * m
     refits = []
     if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
-        for order, how in _refit_candidates(P):
-            refits.append((P.evaluate(order), 200 + len(refits), order, how))
+        for score, order, how in _refit_candidates(P):
+            refits.append((score, 200 + len(refits), order, how))
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))

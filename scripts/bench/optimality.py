@@ -26,13 +26,7 @@ FIELDS = ("pp", "microbatches", "costs", "budget", "cap", "planner", "optimum", 
 
 def budgets(pp: int, m: int):
     """(budget, cap): for every cap from V-Min's to 1F1B's, the smallest budget giving it."""
-    out = {}
-    for k in range(8 * pp + 1):
-        b = search.min_budget(pp) + k / (8 * pp)
-        if b > 1.0 + 1e-9:
-            break
-        out.setdefault(search.cap_of(pp, m, b), round(b, 6))
-    return [(b, cap) for cap, b in sorted(out.items())]
+    return [(round(b, 6), cap) for cap, b in search.budget_steps(pp, m, high=1.0)]
 
 
 def rows(pps, limit: float):

@@ -200,8 +200,8 @@ def test_refit_brings_an_order_under_a_smaller_cap():
     P = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 0.625))
     got = search._refit_candidates(P)
     assert got
-    for order, how in got:
-        assert "refit to 5" in how
+    for score, order, how in got:
+        assert "refit to 5" in how and score == P.evaluate(order)
         assert P.fits(order) and P.evaluate(order) is not None
         assert sorted(o for ops in order for o in ops) == list(range(3 * 4 * 8))  # every F, B and W once
     wide = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 2.0))
