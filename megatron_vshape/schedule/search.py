@@ -21,6 +21,9 @@ candidates and keeps the shortest under the simulator's rules:
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
   * then the best order's F's and B's kept and its W's placed anew by the greedy's rule
     (into waits at least theta * W long, or where memory needs them), kept if shorter;
+  * on short runs with a cap between the named V-shapes', a search that may cross the cap at
+    a price (`relax`): the tight cap blocks nearly every move that fits, so it goes through
+    orders over the cap to shorter ones that fit again, kept if shorter;
   * last, on short runs, one more improvement of the best order with ties of makespan
     broken by the F's and B's end times (a W waits for nobody), kept if shorter.
 
@@ -459,6 +462,61 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     return best, 0 if swept else max(0, budget) * n_ops
 
 
+def _overflow_area(P: Problem, ops: Sequence[int]) -> float:
+    """How far a rank's order goes over the cap, summed over its F's (0 when it fits)."""
+    live = area = 0.0
+    S, size, cap = P.S, P.size, P.cap
+    for o in ops:
+        slot = o % 3
+        if slot == 0:
+            live += size[(o // 3) % S]
+            if live > cap + EPS:
+                area += live - cap
+        elif slot == 2:
+            live -= size[(o // 3) % S]
+    return area
+
+
+def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tuple[List[List[int]], float]:
+    """Local search that may cross the memory cap at a price: moves of an op a few places
+    either way are kept when makespan + lam * (memory over the cap, summed) does not grow;
+    lam rises while the order is over the cap and falls while it fits, so the search
+    oscillates around the cap instead of stopping at it.  Under a tight cap (between V-Min's
+    and V-Half's budgets) nearly every move that fits is blocked, and improve() stalls far
+    from the optimum; through orders over the cap, this one reaches orders that fit again
+    and are shorter.  Returns the shortest order that fits (the start if none is shorter)
+    and its makespan, after `moves` moves tried."""
+    rng = random.Random(seed)
+    sim = _Rerun(P, order)
+    over = [_overflow_area(P, o) for o in order]
+    mean_op = sum(map(sum, P.dur)) / (3 * len(P.dur))
+    lam = RELAX_PRICE * mean_op  # time charged per stage-activation over the cap
+    value = sim.score[0] + lam * sum(over)
+    best, best_ms = [o[:] for o in order], sim.score[0]
+    for move in range(moves):
+        r = rng.randrange(P.pp)
+        ops = order[r]
+        i = rng.randrange(len(ops))
+        j = i + rng.choice((-3, -2, -1, 1, 2, 3))
+        if 0 <= j < len(ops):
+            new = ops[:]
+            new.insert(j, new.pop(i))
+            was, over[r] = over[r], _overflow_area(P, new)
+            order[r] = new
+            got = sim.trial(order, r, min(i, j), value - lam * sum(over) + EPS)
+            if got is not None and got[0] + lam * sum(over) < value + EPS:
+                sim.commit(order)
+                value = got[0] + lam * sum(over)
+                if got[0] < best_ms - EPS and sum(over) == 0.0:
+                    best, best_ms = [o[:] for o in order], got[0]
+            else:
+                order[r], over[r] = ops, was
+        if move % RELAX_ADAPT == RELAX_ADAPT - 1:
+            lam = lam * RELAX_RISE if sum(over) else lam / RELAX_FALL
+            value = sim.score[0] + lam * sum(over)
+    return best, best_ms
+
+
 # Ops simulated by the search for one problem (selection plus improvement): bounds CPU time.
 RULE_WORK = 30_000  # greedy ops (each costs several simulated ones)
 IMPROVE_WORK = 2_000_000
@@ -467,6 +525,11 @@ RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the e
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
+RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() too
+RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
+RELAX_FULL_OPS = 200
+RELAX_PRICE = 0.5  # lam's start: this fraction of a mean op's time per stage-activation over
+RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
 
 
 def cap_of(pp: int, microbatches: int, budget: float) -> float:
@@ -730,6 +793,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
+    # Short runs with a cap between the named V-shapes' (their blocks leave memory unused
+    # there, and the tight cap stalls improve()) get relax() too.
+    relaxing = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
         better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
@@ -748,6 +814,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         new = P.evaluate(got)
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
+    if relaxing:
+        got, ms = relax(P, [list(o) for o in best], int(RELAX_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2), seed=len(starts))
+        if ms < score[0] - EPS:
+            how += f" + relaxed across the cap ({score[0]:g} -> {ms:g})"
+            score, best = P.evaluate(got), got
     if n_ops <= IMPROVE_FULL_OPS:
         left += work // len(starts)  # short runs: time for one more start's share
     if left:

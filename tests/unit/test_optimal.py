@@ -33,6 +33,9 @@ INSTANCES = [
     ("v-half", 4, 4, "1,1,1,0"),
     # v-auto across its budgets (fractions of 1F1B's activation memory) at pp=4, m=4
     *[("v-auto", 4, 4, "2,2.2,1.6,0.05", budget) for budget in (0.5, 0.625, 0.75, 0.875, 1.0)],
+    # between V-Min's and V-Half's caps with more microbatches, where only relax() gets close
+    ("v-auto", 4, 5, "2,2.2,1.6,0.05", 0.625),
+    ("v-auto", 4, 5, "2,2,2,0.25", 0.625),
     ("zb-h1", 4, 8, "2,2.2,1.6,0.05"),
     ("1f1b", 3, 6, "1,1,1,0"),
 ]
