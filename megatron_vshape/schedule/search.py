@@ -21,7 +21,7 @@ candidates and keeps the shortest under the simulator's rules:
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
   * then the best order's F's and B's kept and its W's placed anew by the greedy's rule
     (into waits at least theta * W long, or where memory needs them), kept if shorter;
-  * on short runs with a cap between the named V-shapes', a search that may cross the cap at
+  * on short runs with a cap between V-Min's and V-Half's, a search that may cross the cap at
     a price (`relax`): the tight cap blocks nearly every move that fits, so it goes through
     orders over the cap to shorter ones that fit again, kept if shorter;
   * last, on short runs, one more improvement of the best order with ties of makespan
@@ -525,7 +525,7 @@ RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the e
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
-RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() too
+RELAX_OPS = 400  # runs of up to this many ops between V-Min's and V-Half's caps get relax()
 RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
 RELAX_FULL_OPS = 200
 RELAX_PRICE = 0.5  # lam's start: this fraction of a mean op's time per stage-activation over
@@ -793,9 +793,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
-    # Short runs with a cap between the named V-shapes' (their blocks leave memory unused
-    # there, and the tight cap stalls improve()) get relax() too.
-    relaxing = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
+    # Short runs with a cap between V-Min's and V-Half's (their blocks leave memory unused
+    # there, and the tight cap stalls improve()) get relax() too.  Above V-Half's cap it
+    # found nothing shorter on the small instances with proven optima, so it is not run.
+    relaxing = (n_ops <= RELAX_OPS and below is not None and below[0] == "v-min"
+                and cap > cap_of(pp, m, below[1]) + EPS)
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
         better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
