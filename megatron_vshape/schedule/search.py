@@ -78,6 +78,24 @@ class Problem:
     def op(self, i: int) -> Op:
         return Op((F, B, W)[i % 3], i // (3 * self.S), (i // 3) % self.S)
 
+    def futile(self, ops: Sequence[int], i: int, j: int) -> bool:
+        """Whether moving ops[i] to position j surely cannot help: it would pass an op of its
+        own rank that it feeds or is fed by (a deadlock), or put it before one of the same
+        kind and stage of a lower microbatch or after a higher one (never needed:
+        microbatches are interchangeable, see optimal.py)."""
+        o, S = ops[i], self.S
+        kind = o % (3 * S)
+        if j < i:
+            return any(x == o - 1 and o % 3 or x % (3 * S) == kind and x < o or self.local_input(o, x) for x in ops[j:i])
+        return any(x == o + 1 and x % 3 or x % (3 * S) == kind and x > o or self.local_input(x, o) for x in ops[i + 1:j + 1])
+
+    def local_input(self, o: int, x: int) -> bool:
+        """Whether x feeds o across the V's turn (both on rank p-1)."""
+        s = (o // 3) % self.S
+        if o % 3 == 0:
+            return x == o - 3 and s == self.pp
+        return o % 3 == 1 and x == o + 3 and s == self.pp - 1
+
     def encode(self, ranks: Sequence[Sequence[Op]]) -> List[List[int]]:
         slot = {F: 0, B: 1, W: 2}
         return [[3 * (o.microbatch * self.S + o.stage) + slot[o.kind] for o in ops] for ops in ranks]
@@ -484,21 +502,22 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     oscillates around the cap instead of stopping at it.  Under a tight cap (between V-Min's
     and V-Half's budgets) nearly every move that fits is blocked, and improve() stalls far
     from the optimum; through orders over the cap, this one reaches orders that fit again
-    and are shorter.  Returns the shortest order that fits (the start if none is shorter)
-    and its makespan, after `moves` moves tried."""
+    and are shorter.  Returns the shortest order that fits (the start if none is shorter;
+    makespan inf if neither the start nor any order seen fits) and its makespan, after
+    `moves` moves tried."""
     rng = random.Random(seed)
     sim = _Rerun(P, order)
     over = [_overflow_area(P, o) for o in order]
     mean_op = sum(map(sum, P.dur)) / (3 * len(P.dur))
     lam = RELAX_PRICE * mean_op  # time charged per stage-activation over the cap
     value = sim.score[0] + lam * sum(over)
-    best, best_ms = [o[:] for o in order], sim.score[0]
+    best, best_ms = [o[:] for o in order], (math.inf if sum(over) else sim.score[0])
     for move in range(moves):
         r = rng.randrange(P.pp)
         ops = order[r]
         i = rng.randrange(len(ops))
         j = i + rng.choice((-3, -2, -1, 1, 2, 3))
-        if 0 <= j < len(ops):
+        if 0 <= j < len(ops) and not P.futile(ops, i, j):
             new = ops[:]
             new.insert(j, new.pop(i))
             was, over[r] = over[r], _overflow_area(P, new)
@@ -526,9 +545,9 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between V-Min's and V-Half's caps get relax()
-RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
+RELAX_MOVES = 60_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
 RELAX_FULL_OPS = 200
-RELAX_PRICE = 0.5  # lam's start: this fraction of a mean op's time per stage-activation over
+RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
 
 
@@ -798,6 +817,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # found nothing shorter on the small instances with proven optima, so it is not run.
     relaxing = (n_ops <= RELAX_OPS and below is not None and below[0] == "v-min"
                 and cap > cap_of(pp, m, below[1]) + EPS)
+    if relaxing and m > pp:
+        work //= 2  # the time goes to relax() instead (with m <= p, improve's refit starts need it)
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
         better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)

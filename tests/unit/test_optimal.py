@@ -35,7 +35,7 @@ INSTANCES = [
     *[("v-auto", 4, 4, "2,2.2,1.6,0.05", budget) for budget in (0.5, 0.625, 0.75, 0.875, 1.0)],
     # between V-Min's and V-Half's caps with more microbatches, where only relax() gets close
     ("v-auto", 4, 5, "2,2.2,1.6,0.05", 0.625),
-    ("v-auto", 4, 5, "2,2,2,0.25", 0.625),
+    ("v-auto", 4, 6, "2,2,2,0.25", 0.625),
     ("zb-h1", 4, 8, "2,2.2,1.6,0.05"),
     ("1f1b", 3, 6, "1,1,1,0"),
 ]
