@@ -21,9 +21,10 @@ candidates and keeps the shortest under the simulator's rules:
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
   * then the best order's F's and B's kept and its W's placed anew by the greedy's rule
     (into waits at least theta * W long, or where memory needs them), kept if shorter;
-  * on short runs with a cap between V-Min's and V-Half's, a search that may cross the cap at
-    a price (`relax`): the tight cap blocks nearly every move that fits, so it goes through
-    orders over the cap to shorter ones that fit again, kept if shorter;
+  * on short runs with a cap between V-Min's and V-Half's (between any named caps when
+    m <= p), a search that may cross the cap at a price (`relax`): the tight cap blocks
+    nearly every move that fits, so it goes through orders over the cap to shorter ones
+    that fit again, kept if shorter;
   * last, on short runs, one more improvement of the best order with ties of makespan
     broken by the F's and B's end times (a W waits for nobody), kept if shorter.
 
@@ -544,7 +545,7 @@ RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the e
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
-RELAX_OPS = 400  # runs of up to this many ops between V-Min's and V-Half's caps get relax()
+RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
 RELAX_MOVES = 60_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
 RELAX_FULL_OPS = 200
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
@@ -812,11 +813,12 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
-    # Short runs with a cap between V-Min's and V-Half's (their blocks leave memory unused
-    # there, and the tight cap stalls improve()) get relax() too.  Above V-Half's cap it
-    # found nothing shorter on the small instances with proven optima, so it is not run.
-    relaxing = (n_ops <= RELAX_OPS and below is not None and below[0] == "v-min"
-                and cap > cap_of(pp, m, below[1]) + EPS)
+    # Short runs with a cap between the named V-shapes' get relax() too: between V-Min's and
+    # V-Half's, where their blocks leave memory unused and the tight cap stalls improve();
+    # above V-Half's only with m <= p (all warm-up and cool-down): with more microbatches
+    # there it found nothing shorter on the small instances with proven optima.
+    relaxing = (n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
+                and (below[0] == "v-min" or m <= pp))
     if relaxing and m > pp:
         work //= 2  # the time goes to relax() instead (with m <= p, improve's refit starts need it)
     results, left = [], 0
