@@ -220,3 +220,34 @@ def test_relax_crosses_the_cap_and_returns_an_order_that_fits():
     assert sorted(o for ops in got for o in ops) == list(range(3 * 6 * 8))  # every F, B and W once
     assert ms < P.evaluate(start)[0] - 1e-9
     assert simulate(registry.build("v-auto", 4, 6, SKEWED, memory_budget=0.625)).makespan == pytest.approx(45.1, abs=1e-9)
+
+
+def test_futile_moves_are_exactly_the_same_rank_deadlocks_and_microbatch_swaps():
+    # relax() skips a move only when it puts an op before its own rank's input (or after an
+    # op it feeds there), or swaps two microbatches of one kind and stage out of order.
+    costs = Costs.parse("2,2,2,0.25").per_stage(2)
+    table = stage_table(costs, 8, None)
+    P = search.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
+    order = [list(o) for o in search._plan("v-auto", 4, 6, costs, table, 0.5)[0]]
+
+    def bad_pairs(ops, o):
+        at = {x: k for k, x in enumerate(ops)}
+        pairs = {(d, o) for d, _ in P.inputs(o) if d in at and at[d] > at[o]}
+        pairs |= {(o, x) for x in ops if o in [d for d, _ in P.inputs(x)] and at[x] < at[o]}
+        same = [x for x in ops if x % 24 == o % 24 and x != o]
+        return pairs | {(x, o) for x in same if (x < o) == (at[x] > at[o])}
+
+    rng, flagged = random.Random(0), 0
+    for _ in range(3000):
+        r = rng.randrange(4)
+        ops = order[r]
+        i = rng.randrange(len(ops))
+        j = i + rng.choice((-3, -2, -1, 1, 2, 3))
+        if not 0 <= j < len(ops):
+            continue
+        new = ops[:]
+        new.insert(j, new.pop(i))
+        expected = bool(bad_pairs(new, ops[i]) - bad_pairs(ops, ops[i]))
+        assert P.futile(ops, i, j) == expected, (r, i, j)
+        flagged += expected
+    assert 0 < flagged < 3000
