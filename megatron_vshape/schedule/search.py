@@ -546,8 +546,9 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 60_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
+RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
 RELAX_FULL_OPS = 200
+RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
 
@@ -820,7 +821,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     relaxing = (n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
                 and (below[0] == "v-min" or m <= pp))
     if relaxing and m > pp:
-        work //= 2  # the time goes to relax() instead (with m <= p, improve's refit starts need it)
+        work //= RELAX_SHARE  # the time goes to relax() (with m <= p, improve's refit starts need it)
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
         better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
