@@ -75,6 +75,7 @@ class Problem:
         C, inf = costs.C, math.inf
         self.f_hop = [inf] + [C if self.rank[s - 1] != self.rank[s] else 0.0 for s in range(1, S)]
         self.b_hop = [C if self.rank[s + 1] != self.rank[s] else 0.0 for s in range(S - 1)] + [inf]
+        self.sweep = list(range(pp)) + list(range(pp - 2, 0, -1))  # run()'s rank order: down and back up
 
     def op(self, i: int) -> Op:
         return Op((F, B, W)[i % 3], i // (3 * self.S), (i // 3) % self.S)
@@ -124,7 +125,7 @@ class Problem:
         moved = True
         while moved:
             moved = False
-            for r in list(range(pp)) + list(range(pp - 2, 0, -1)):
+            for r in self.sweep:
                 ops, i, t, n = order[r], pos[r], free[r], lens[r]
                 start_i = i
                 while i < n:
