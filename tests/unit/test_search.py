@@ -252,3 +252,13 @@ def test_futile_moves_are_exactly_the_same_rank_deadlocks_and_microbatch_swaps()
         assert P.futile(ops, i, j) == expected, (r, i, j)
         flagged += expected
     assert 0 < flagged < 3000
+
+
+def test_relax_counts_memory_by_stage_size():
+    # Larger embedding and loss stages on rank 0: relax() weighs each stage-activation by its
+    # size, and its plan verifies under the budget on every rank.
+    sc = [StageCost(1.2, 1.2, 0.8, 1.1)] + [StageCost(1, 1.1, 0.8)] * 6 + [StageCost(1.6, 1.5, 1.1, 1.5)]
+    s = registry.build("v-auto", 4, 8, SKEWED, memory_budget=0.625, stage_costs=sc)
+    verify(s)
+    assert "relaxed across the cap" in s.meta["plan"]
+    assert max(simulate(s).peak_vs_1f1b) <= 0.625 + 1e-9
