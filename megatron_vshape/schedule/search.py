@@ -120,7 +120,7 @@ class Problem:
             free: List[float]) -> Optional[Tuple[float, float, float]]:
         """evaluate() from a given state: `end` of every op done (-1 if not), each rank's next
         position and its free time.  Fills `end` in place."""
-        S, pp, dur, f_hop, b_hop = self.S, self.pp, self.dur, self.f_hop, self.b_hop
+        S, dur, f_hop, b_hop = self.S, self.dur, self.f_hop, self.b_hop
         lens = [len(o) for o in order]
         moved = True
         while moved:
@@ -547,8 +547,8 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square (time)
-RELAX_FULL_OPS = 200
+RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square:
+RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes without relax()
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
