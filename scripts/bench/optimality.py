@@ -5,7 +5,8 @@ V-Min's to 1F1B's.
 Default grid: pp 2, 3, 4; microbatches p, 2p and 3p (at most 8); the three cost sets of
 schedules.py.  Each budget is the smallest that gives its cap (one stage-activation per step).
 
-    python scripts/bench/optimality.py [--pp 2,3,4] [--time-limit 40] [--csv out/bench_optimality.csv]
+    python scripts/bench/optimality.py [--pp 2,3,4] [--microbatches 4,5,6,7,8] [--time-limit 40]
+                                       [--csv out/bench_optimality.csv]
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def budgets(pp: int, m: int):
     return [(round(b, 6), cap) for cap, b in search.budget_steps(pp, m, high=1.0)]
 
 
-def rows(pps, limit: float):
+def rows(pps, limit: float, microbatches=()):
     for pp in pps:
-        for m in sorted({pp, 2 * pp, min(8, 3 * pp)}):
+        for m in microbatches or sorted({pp, 2 * pp, min(8, 3 * pp)}):
             for costs in COST_SETS:
                 for budget, cap in budgets(pp, m):
                     search._plan.cache_clear()
@@ -48,12 +49,17 @@ def rows(pps, limit: float):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", default="2,3,4", help="comma-separated pipeline sizes (default 2,3,4)")
+    ap.add_argument("--microbatches", default="", help="comma-separated microbatch counts for every pp "
+                    "(default p, 2p and 3p up to 8)")
     ap.add_argument("--time-limit", type=float, default=40.0, help="solver seconds per instance (default 40)")
     ap.add_argument("--csv", default="out/bench_optimality.csv", help="where to write the CSV")
     args = ap.parse_args(argv)
     optimal.require_ortools()
     done = []
-    for row in rows([int(x) for x in args.pp.split(",") if x], args.time_limit):
+    ms = [int(x) for x in args.microbatches.split(",") if x]
+    if any(m < 1 for m in ms):
+        ap.error(f"--microbatches {args.microbatches}: give positive counts, e.g. 4,5,6")
+    for row in rows([int(x) for x in args.pp.split(",") if x], args.time_limit, ms):
         done.append(row)
         print(f"pp={row['pp']} m={row['microbatches']} {row['costs']} budget {row['budget']:g}: planner "
               f"{row['planner']:g}, {row['status']} {row['optimum']:g}, gap {row['gap']:.2%}", flush=True)

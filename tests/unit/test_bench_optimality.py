@@ -35,3 +35,13 @@ def test_pp2_rows_are_proven_and_written(tmp_path, capsys):
         assert row["status"] == "optimal"
         assert 0 <= float(row["gap"]) <= 0.02
     assert "max gap" in capsys.readouterr().out
+
+
+def test_microbatches_option_chooses_the_counts(tmp_path):
+    bench = _bench()
+    out = tmp_path / "opt.csv"
+    assert bench.main(["--pp", "2", "--microbatches", "3", "--time-limit", "60", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [int(r["microbatches"]) for r in rows] == [3, 3, 3]  # three cost sets, one budget at pp=2
+    with pytest.raises(SystemExit):
+        bench.main(["--pp", "2", "--microbatches", "0"])
