@@ -85,18 +85,13 @@ class Problem:
         own rank that it feeds or is fed by (a deadlock), or put it before one of the same
         kind and stage of a lower microbatch or after a higher one (never needed:
         microbatches are interchangeable, see optimal.py)."""
-        o, S = ops[i], self.S
-        kind = o % (3 * S)
+        o, kinds = ops[i], 3 * self.S
+        kind = o % kinds
         if j < i:
-            return any(x == o - 1 and o % 3 or x % (3 * S) == kind and x < o or self.local_input(o, x) for x in ops[j:i])
-        return any(x == o + 1 and x % 3 or x % (3 * S) == kind and x > o or self.local_input(x, o) for x in ops[i + 1:j + 1])
-
-    def local_input(self, o: int, x: int) -> bool:
-        """Whether x feeds o across the V's turn (both on rank p-1)."""
-        s = (o // 3) % self.S
-        if o % 3 == 0:
-            return x == o - 3 and s == self.pp
-        return o % 3 == 1 and x == o + 3 and s == self.pp - 1
+            passed = ops[j:i]
+            return (any(d in passed for d, _ in self.inputs(o))
+                    or any(x % kinds == kind and x < o for x in passed))
+        return any(x % kinds == kind and x > o or any(d == o for d, _ in self.inputs(x)) for x in ops[i + 1:j + 1])
 
     def encode(self, ranks: Sequence[Sequence[Op]]) -> List[List[int]]:
         slot = {F: 0, B: 1, W: 2}
@@ -523,12 +518,14 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
             new = ops[:]
             new.insert(j, new.pop(i))
             was, over[r] = over[r], _overflow_area(P, new)
+            excess = sum(over)
+            price = lam * excess
             order[r] = new
-            got = sim.trial(order, r, min(i, j), value - lam * sum(over) + EPS)
-            if got is not None and got[0] + lam * sum(over) < value + EPS:
+            got = sim.trial(order, r, min(i, j), value - price + EPS)
+            if got is not None and got[0] + price < value + EPS:
                 sim.commit(order)
-                value = got[0] + lam * sum(over)
-                if got[0] < best_ms - EPS and sum(over) == 0.0:
+                value = got[0] + price
+                if got[0] < best_ms - EPS and excess == 0.0:
                     best, best_ms = [o[:] for o in order], got[0]
             else:
                 order[r], over[r] = ops, was
