@@ -76,6 +76,14 @@ class Problem:
         self.f_hop = [inf] + [C if self.rank[s - 1] != self.rank[s] else 0.0 for s in range(1, S)]
         self.b_hop = [C if self.rank[s + 1] != self.rank[s] else 0.0 for s in range(S - 1)] + [inf]
         self.sweep = list(range(pp)) + list(range(pp - 2, 0, -1))  # run()'s rank order: down and back up
+        # run()'s tables, from inputs(): each op's two inputs (the sentinel n, done at 0, where
+        # it has fewer), the hops after them, and its duration.
+        n = self.n = 3 * m * S
+        self.in1, self.in2, self.hop1, self.hop2 = [n] * n, [n] * n, [0.0] * n, [0.0] * n
+        for o in range(n):
+            for k, (d, h) in enumerate(self.inputs(o)):
+                (self.in1, self.in2)[k][o], (self.hop1, self.hop2)[k][o] = d, h
+        self.span = [self.dur[(o // 3) % S][o % 3] for o in range(n)]
 
     def op(self, i: int) -> Op:
         return Op((F, B, W)[i % 3], i // (3 * self.S), (i // 3) % self.S)
@@ -109,13 +117,17 @@ class Problem:
         simulator's rules (simulate.run_lists), on integer ops.  The two sums break ties of
         makespan: the first favours ranks that finish early, the second the ops other ranks
         wait for (a W waits for nobody)."""
-        return self.run(order, limit, [-1.0] * (3 * self.m * self.S), [0] * self.pp, [0.0] * self.pp)
+        return self.run(order, limit, self.blank(), [0] * self.pp, [0.0] * self.pp)
+
+    def blank(self) -> List[float]:
+        """run()'s `end` before any op ran: -1 for every op, then the sentinel input, done at 0."""
+        return [-1.0] * self.n + [0.0]
 
     def run(self, order: Sequence[Sequence[int]], limit: float, end: List[float], pos: List[int],
             free: List[float]) -> Optional[Tuple[float, float, float]]:
-        """evaluate() from a given state: `end` of every op done (-1 if not), each rank's next
-        position and its free time.  Fills `end` in place."""
-        S, dur, f_hop, b_hop = self.S, self.dur, self.f_hop, self.b_hop
+        """evaluate() from a given state: `end` of every op done (-1 if not; blank()'s
+        layout), each rank's next position and its free time.  Fills `end` in place."""
+        in1, in2, hop1, hop2, span = self.in1, self.in2, self.hop1, self.hop2, self.span
         lens = [len(o) for o in order]
         moved = True
         while moved:
@@ -125,30 +137,19 @@ class Problem:
                 start_i = i
                 while i < n:
                     o = ops[i]
-                    slot = o % 3
-                    s = (o // 3) % S
-                    if slot == 0:
-                        if s:
-                            e = end[o - 3]
-                            if e < 0:
-                                break
-                            e += f_hop[s]
-                            if e > t:
-                                t = e
-                    else:
-                        e = end[o - 1]
-                        if e < 0:
-                            break
-                        if e > t:
-                            t = e
-                        if slot == 1 and s < S - 1:
-                            e = end[o + 3]
-                            if e < 0:
-                                break
-                            e += b_hop[s]
-                            if e > t:
-                                t = e
-                    t += dur[s][slot]
+                    a = end[in1[o]]
+                    if a < 0:
+                        break
+                    b = end[in2[o]]
+                    if b < 0:
+                        break
+                    a += hop1[o]
+                    if a > t:
+                        t = a
+                    b += hop2[o]
+                    if b > t:
+                        t = b
+                    t += span[o]
                     if t > limit:
                         return None
                     end[o] = t
@@ -158,7 +159,8 @@ class Problem:
                     pos[r], free[r] = i, t
         if pos != lens:
             return None
-        return max(free), sum(free), sum(end[0::3]) + sum(end[1::3])
+        n = self.n
+        return max(free), sum(free), sum(end[0:n:3]) + sum(end[1:n:3])
 
     def inputs(self, o: int) -> List[Tuple[int, float]]:
         """The ops `o` waits for, each with the hop after it (the simulator's rules)."""
@@ -364,7 +366,7 @@ class _Rerun:
 
     def reset(self, order: List[List[int]]) -> Tuple[float, float, float]:
         P = self.P
-        self.end = [-1.0] * (3 * P.m * P.S)
+        self.end = P.blank()
         self.score = P.run(order, math.inf, self.end, [0] * P.pp, [0.0] * P.pp)
         self.starts = [self._starts(ops) for ops in order]
         return self.score
