@@ -26,8 +26,9 @@ FIELDS = ("pp", "microbatches", "costs", "budget", "cap", "planner", "optimum", 
 
 
 def budgets(pp: int, m: int):
-    """(budget, cap): for every cap from V-Min's to 1F1B's, the smallest budget giving it."""
-    return [(round(b, 6), cap) for cap, b in search.budget_steps(pp, m, high=1.0)]
+    """(budget, cap): for every cap from V-Min's to 1F1B's, the smallest budget giving it.
+    Exact: a budget rounded for display (5/6 to 0.833333) falls below its step's cap."""
+    return [(b, cap) for cap, b in search.budget_steps(pp, m, high=1.0)]
 
 
 def rows(pps, limit: float, microbatches=()):
@@ -41,7 +42,7 @@ def rows(pps, limit: float, microbatches=()):
                     took = time.process_time() - t
                     result = optimal.solve(optimal.problem_of(plan), limit, hint=plan)
                     ms = simulate(plan).makespan
-                    yield {"pp": pp, "microbatches": m, "costs": costs, "budget": budget, "cap": cap,
+                    yield {"pp": pp, "microbatches": m, "costs": costs, "budget": round(budget, 6), "cap": cap,
                            "planner": round(ms, 6), "optimum": round(result.makespan, 6), "status": result.status,
                            "gap": ms / result.makespan - 1, "plan_s": round(took, 2)}
 
