@@ -25,8 +25,12 @@ candidates and keeps the shortest under the simulator's rules:
     m <= p), a search that may cross the cap at a price (`relax`): the tight cap blocks
     nearly every move that fits, so it goes through orders over the cap to shorter ones
     that fit again, kept if shorter;
-  * last, on short runs, one more improvement of the best order with ties of makespan
-    broken by the F's and B's end times (a W waits for nobody), kept if shorter.
+  * on short runs, one more improvement of the best order with ties of makespan broken by
+    the F's and B's end times (a W waits for nobody), kept if shorter;
+  * last, on short runs with m > p and a cap between V-Half's and V-ZB's, kicks (`kick`):
+    the first chunk's backward delayed by one microbatch from some microbatch on, on
+    every rank at once (`delayed`), then relaxed back under the cap; each kick starts from
+    the best order so far, and the best is kept if shorter.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -537,6 +541,41 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     return best, best_ms
 
 
+def delayed(P: Problem, order: Sequence[Sequence[int]], first: int) -> List[List[int]]:
+    """`order` with the first chunk's backward (its B's and W's, on every rank) of microbatches
+    `first`..m-1 one microbatch later: their eager start times pushed back by one
+    microbatch's mean work on a rank, each rank's ops re-sorted by those times.  Everything
+    moved only waits for ops moved too, or for ops that stay, so every dependency still
+    goes forward in time and the new order cannot deadlock.  Between V-Half's and V-ZB's
+    caps the proven optima run those B's about this much later than our constructions do,
+    behind the second chunk's work: they fill the cool-down, where ranks otherwise wait."""
+    S, pp, span = P.S, P.pp, P.span
+    end = P.blank()
+    P.run(order, math.inf, end, [0] * pp, [0.0] * pp)
+    shift = sum(span[3 * s + k] for s in range(S) for k in range(3)) / pp
+    moved = {3 * (j * S + s) + k for j in range(first, P.m) for s in range(pp) for k in (1, 2)}
+    def when(o: int) -> float:
+        return end[o] - span[o] + (shift if o in moved else 0.0)
+    return [sorted(ops, key=when) for ops in order]  # stable: ties keep their order
+
+
+def kick(P: Problem, order: List[List[int]], moves: int, kicks: int) -> Tuple[List[List[int]], float]:
+    """Iterated: from the best order so far, the first chunk's backward delayed from microbatch
+    `first` on (delayed()), for `kicks` values of `first` spread over the run, each
+    delayed order relaxed back under the cap (relax(), `moves` moves); kept when no longer.
+    Between V-Half's and V-ZB's caps no local move reaches those orders: each one alone only
+    makes the run longer."""
+    best, best_ms = order, P.evaluate(order)[0]
+    for k in range(kicks):
+        start = delayed(P, best, k * P.m // kicks)
+        if P.evaluate(start) is None:
+            continue  # only with ops that take no time, tied on every rank of a cycle
+        got, ms = relax(P, start, moves, seed=k)
+        if ms < best_ms + EPS:
+            best, best_ms = got, ms
+    return best, best_ms
+
+
 # Ops simulated by the search for one problem (selection plus improvement): bounds CPU time.
 RULE_WORK = 30_000  # greedy ops (each costs several simulated ones)
 IMPROVE_WORK = 2_000_000
@@ -551,6 +590,8 @@ RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes w
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
+KICK_MOVES = 6_000  # relax()'s moves after each kick (fewer by the square beyond RELAX_FULL_OPS ops)
+KICKS = 6  # kicks at most (the planning time of short runs stays about 1 s)
 
 
 def cap_of(pp: int, microbatches: int, budget: float) -> float:
@@ -815,11 +856,14 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
     # Short runs with a cap between the named V-shapes' get relax() too: between V-Min's and
-    # V-Half's, where their blocks leave memory unused and the tight cap stalls improve();
-    # above V-Half's only with m <= p (all warm-up and cool-down): with more microbatches
-    # there it found nothing shorter on the small instances with proven optima.
-    relaxing = (n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
-                and (below[0] == "v-min" or m <= pp))
+    # V-Half's, where their blocks leave memory unused and the tight cap stalls improve(), and
+    # with m <= p (all warm-up and cool-down) between any two.  Between V-Half's and V-ZB's
+    # with m > p, relax() alone found nothing shorter on the instances with proven optima:
+    # kick() runs there instead.
+    half_cap, zb_cap = (cap_of(pp, m, b(pp)) for _, b in NAMED_BUDGETS[1:])
+    between = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
+    relaxing = between and (m <= pp or cap < half_cap - EPS)
+    kicking = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     if relaxing and m > pp:
         work //= RELAX_SHARE  # the time goes to relax() (with m <= p, improve's refit starts need it)
     results, left = [], 0
@@ -854,6 +898,12 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         got = P.evaluate(better)
         if got[0] < score[0] - EPS:
             score, best, how = got, better, how + f" + improve, W's late on ties ({score[0]:g} -> {got[0]:g})"
+    if kicking:
+        scale = min(1.0, RELAX_FULL_OPS / n_ops) ** 2
+        got, ms = kick(P, [list(o) for o in best], int(KICK_MOVES * scale), min(m, KICKS))
+        if ms < score[0] - EPS:
+            how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
+            score, best = P.evaluate(got), got
     return tuple(tuple(o) for o in best), how
 
 
