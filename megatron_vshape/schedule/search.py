@@ -27,9 +27,9 @@ candidates and keeps the shortest under the simulator's rules:
     that fit again, kept if shorter;
   * on short runs, one more improvement of the best order with ties of makespan broken by
     the F's and B's end times (a W waits for nobody), kept if shorter;
-  * last, on short runs with m > p and a cap between V-Half's and V-ZB's, kicks (`kick`):
+  * last, on short runs with m > p and a cap between V-Half's and V-ZB's, `delay_search`:
     the first chunk's backward delayed by one microbatch from some microbatch on, on
-    every rank at once (`delayed`), then relaxed back under the cap; each kick starts from
+    every rank at once (`delayed`), then relaxed back under the cap; each try starts from
     the best order so far, and the best is kept if shorter.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
@@ -559,15 +559,15 @@ def delayed(P: Problem, order: Sequence[Sequence[int]], first: int) -> List[List
     return [sorted(ops, key=when) for ops in order]  # stable: ties keep their order
 
 
-def kick(P: Problem, order: List[List[int]], moves: int, kicks: int) -> Tuple[List[List[int]], float]:
+def delay_search(P: Problem, order: List[List[int]], moves: int, tries: int) -> Tuple[List[List[int]], float]:
     """Iterated: from the best order so far, the first chunk's backward delayed from microbatch
-    `first` on (delayed()), for `kicks` values of `first` spread over the run, each
+    `first` on (delayed()), for `tries` values of `first` spread over the run, each
     delayed order relaxed back under the cap (relax(), `moves` moves); kept when no longer.
     Between V-Half's and V-ZB's caps no local move reaches those orders: each one alone only
     makes the run longer."""
     best, best_ms = order, P.evaluate(order)[0]
-    for k in range(kicks):
-        start = delayed(P, best, k * P.m // kicks)
+    for k in range(tries):
+        start = delayed(P, best, k * P.m // tries)
         if P.evaluate(start) is None:
             continue  # only with ops that take no time, tied on every rank of a cycle
         got, ms = relax(P, start, moves, seed=k)
@@ -590,8 +590,8 @@ RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes w
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
-KICK_MOVES = 6_000  # relax()'s moves after each kick (fewer by the square beyond RELAX_FULL_OPS ops)
-KICKS = 6  # kicks at most (the planning time of short runs stays about 1 s)
+DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
+DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1 s)
 
 
 def cap_of(pp: int, microbatches: int, budget: float) -> float:
@@ -859,11 +859,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # V-Half's, where their blocks leave memory unused and the tight cap stalls improve(), and
     # with m <= p (all warm-up and cool-down) between any two.  Between V-Half's and V-ZB's
     # with m > p, relax() alone found nothing shorter on the instances with proven optima:
-    # kick() runs there instead.
+    # delay_search() runs there instead.
     half_cap, zb_cap = (cap_of(pp, m, b(pp)) for _, b in NAMED_BUDGETS[1:])
     between = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
     relaxing = between and (m <= pp or cap < half_cap - EPS)
-    kicking = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
+    delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     if relaxing and m > pp:
         work //= RELAX_SHARE  # the time goes to relax() (with m <= p, improve's refit starts need it)
     results, left = [], 0
@@ -898,9 +898,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         got = P.evaluate(better)
         if got[0] < score[0] - EPS:
             score, best, how = got, better, how + f" + improve, W's late on ties ({score[0]:g} -> {got[0]:g})"
-    if kicking:
+    if delaying:
         scale = min(1.0, RELAX_FULL_OPS / n_ops) ** 2
-        got, ms = kick(P, [list(o) for o in best], int(KICK_MOVES * scale), min(m, KICKS))
+        got, ms = delay_search(P, [list(o) for o in best], int(DELAY_MOVES * scale), min(m, DELAY_TRIES))
         if ms < score[0] - EPS:
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got

@@ -287,7 +287,7 @@ def test_delayed_moves_the_first_chunks_backward_one_microbatch_and_cannot_deadl
         assert rest(a) == rest(b)
 
 
-def test_kicks_between_v_half_and_v_zb_reach_what_local_moves_do_not():
+def test_delay_search_between_v_half_and_v_zb_reaches_what_local_moves_do_not():
     # pp=3, m=6, cap 5 (budget 5/6): improve() and relax() stop at 42.0, 2.4% above the proven
     # optimum 41.0; delaying the first chunk's backward and relaxing back reaches 41.5.
     s = registry.build("v-auto", 3, 6, Costs.parse("2,2,2,0.25"), memory_budget=5 / 6)
