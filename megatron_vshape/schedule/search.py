@@ -866,6 +866,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     if relaxing and m > pp:
         work //= RELAX_SHARE  # the time goes to relax() (with m <= p, improve's refit starts need it)
+    fewer = min(1.0, RELAX_FULL_OPS / n_ops) ** 2  # relax()'s moves beyond RELAX_FULL_OPS ops
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
         better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
@@ -885,7 +886,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
     if relaxing:
-        got, ms = relax(P, [list(o) for o in best], int(RELAX_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2), seed=len(starts))
+        got, ms = relax(P, [list(o) for o in best], int(RELAX_MOVES * fewer), seed=len(starts))
         if ms < score[0] - EPS:
             how += f" + relaxed across the cap ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
@@ -899,8 +900,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if got[0] < score[0] - EPS:
             score, best, how = got, better, how + f" + improve, W's late on ties ({score[0]:g} -> {got[0]:g})"
     if delaying:
-        scale = min(1.0, RELAX_FULL_OPS / n_ops) ** 2
-        got, ms = delay_search(P, [list(o) for o in best], int(DELAY_MOVES * scale), min(m, DELAY_TRIES))
+        got, ms = delay_search(P, [list(o) for o in best], int(DELAY_MOVES * fewer), min(m, DELAY_TRIES))
         if ms < score[0] - EPS:
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
