@@ -24,7 +24,8 @@ candidates and keeps the shortest under the simulator's rules:
   * on short runs with a cap between V-Min's and V-Half's (between any named caps when
     m <= p), a search that may cross the cap at a price (`relax`): the tight cap blocks
     nearly every move that fits, so it goes through orders over the cap to shorter ones
-    that fit again, kept if shorter;
+    that fit again, kept if shorter; besides single ops it moves one microbatch's op along
+    the whole pipeline at once (a chain move: the same op kind and chunk on every rank);
   * on short runs, one more improvement of the best order with ties of makespan broken by
     the F's and B's end times (a W waits for nobody), kept if shorter;
   * last, on short runs with m > p and a cap between V-Half's and V-ZB's, `delay_search`:
@@ -47,7 +48,7 @@ import heapq
 import math
 import random
 from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import slots
 from .blocks import EPS, Stuck
@@ -379,17 +380,17 @@ class _Rerun:
         dur, S, end = self.P.dur, self.P.S, self.end
         return [end[o] - dur[(o // 3) % S][o % 3] for o in ops]
 
-    def trial(self, order: List[List[int]], r: int, lo: int, limit: float) -> Optional[Tuple[float, float, float]]:
-        """The score of `order`, which differs from the last committed one only on rank `r`
-        from position `lo`; commit() keeps it."""
+    def trial(self, order: List[List[int]], lows: Dict[int, int], limit: float) -> Optional[Tuple[float, float, float]]:
+        """The score of `order`, which differs from the last committed one only on the ranks
+        in `lows`, each from its position there; commit() keeps it."""
         P = self.P
-        t0 = self.end[order[r][lo - 1]] if lo else 0.0
+        t0 = min(self.end[order[r][lo - 1]] if lo else 0.0 for r, lo in lows.items())
         end = self.end[:]
         keep, free = [], []
         for q, ops in enumerate(order):
             k = bisect.bisect_left(self.starts[q], t0 - EPS)
-            if q == r and k > lo:
-                k = lo
+            if q in lows and k > lows[q]:
+                k = lows[q]
             for o in ops[k:]:
                 end[o] = -1.0
             keep.append(k)
@@ -437,7 +438,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
         if P.peak(new) > P.cap + EPS:
             return False
         order[r] = new
-        got = sim.trial(order, r, min(i, j), math.inf if force else score[0] + EPS)
+        got = sim.trial(order, {r: min(i, j)}, math.inf if force else score[0] + EPS)
         if got is not None and (force or got[0] < score[0] - EPS or (got[0] < score[0] + EPS and got[tie] < score[tie] + (EPS if sideways else -EPS))):
             score = got
             sim.commit(order)
@@ -465,7 +466,7 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
     while budget > 0:
         r = rng.randrange(P.pp)
         i = rng.randrange(len(order[r]))
-        if attempt(r, i, i + rng.choice((-3, -2, -1, 1, 2, 3)), sideways=True):
+        if attempt(r, i, i + rng.choice(STEPS), sideways=True):
             idle = 0
             continue
         idle += 1
@@ -498,6 +499,39 @@ def _overflow_area(P: Problem, ops: Sequence[int]) -> float:
     return area
 
 
+def _single_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[int, Tuple[List[int], int]]:
+    """relax()'s plain move: one op a few places either way on its rank, as {rank: (its new
+    order, the first position changed)}; empty when futile."""
+    r = rng.randrange(P.pp)
+    ops = order[r]
+    i = rng.randrange(len(ops))
+    j = i + rng.choice(STEPS)
+    if not 0 <= j < len(ops) or P.futile(ops, i, j):
+        return {}
+    new = ops[:]
+    new.insert(j, new.pop(i))
+    return {r: (new, min(i, j))}
+
+
+def _chain_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[int, Tuple[List[int], int]]:
+    """relax()'s chain move: one microbatch's F, B or W of one chunk moved the same few places
+    on every rank at once (on each, the op of that chunk's stage there), as _single_move's
+    changes.  A microbatch late or early along the whole pipeline: moved on one rank alone
+    it only waits there, so single moves rarely take the steps one at a time."""
+    j, slot, chunk = rng.randrange(P.m), rng.randrange(3), rng.randrange(2)
+    d = rng.choice(STEPS)
+    out = {}
+    for s in range(chunk * P.pp, (chunk + 1) * P.pp):
+        r = P.rank[s]
+        ops = order[r]
+        i = ops.index(3 * (j * P.S + s) + slot)
+        if 0 <= i + d < len(ops) and not P.futile(ops, i, i + d):
+            new = ops[:]
+            new.insert(i + d, new.pop(i))
+            out[r] = (new, min(i, i + d))
+    return out
+
+
 def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tuple[List[List[int]], float]:
     """Local search that may cross the memory cap at a price: moves of an op a few places
     either way are kept when makespan + lam * (memory over the cap, summed) does not grow;
@@ -505,9 +539,9 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     oscillates around the cap instead of stopping at it.  Under a tight cap (between V-Min's
     and V-Half's budgets) nearly every move that fits is blocked, and improve() stalls far
     from the optimum; through orders over the cap, this one reaches orders that fit again
-    and are shorter.  Returns the shortest order that fits (the start if none is shorter;
-    makespan inf if neither the start nor any order seen fits) and its makespan, after
-    `moves` moves tried."""
+    and are shorter.  A share RELAX_CHAIN of the moves are chain moves (_chain_move).
+    Returns the shortest order that fits (the start if none is shorter; makespan inf if
+    neither the start nor any order seen fits) and its makespan, after `moves` moves tried."""
     rng = random.Random(seed)
     sim = _Rerun(P, order)
     over = [_overflow_area(P, o) for o in order]
@@ -516,25 +550,22 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     value = sim.score[0] + lam * sum(over)
     best, best_ms = [o[:] for o in order], (math.inf if sum(over) else sim.score[0])
     for move in range(moves):
-        r = rng.randrange(P.pp)
-        ops = order[r]
-        i = rng.randrange(len(ops))
-        j = i + rng.choice((-3, -2, -1, 1, 2, 3))
-        if 0 <= j < len(ops) and not P.futile(ops, i, j):
-            new = ops[:]
-            new.insert(j, new.pop(i))
-            was, over[r] = over[r], _overflow_area(P, new)
+        changes = _chain_move(P, order, rng) if rng.random() < RELAX_CHAIN else _single_move(P, order, rng)
+        if changes:
+            was = {r: (order[r], over[r]) for r in changes}
+            for r, (new, _) in changes.items():
+                order[r], over[r] = new, _overflow_area(P, new)
             excess = sum(over)
             price = lam * excess
-            order[r] = new
-            got = sim.trial(order, r, min(i, j), value - price + EPS)
+            got = sim.trial(order, {r: lo for r, (_, lo) in changes.items()}, value - price + EPS)
             if got is not None and got[0] + price < value + EPS:
                 sim.commit(order)
                 value = got[0] + price
                 if got[0] < best_ms - EPS and excess == 0.0:
                     best, best_ms = [o[:] for o in order], got[0]
             else:
-                order[r], over[r] = ops, was
+                for r, (ops, area) in was.items():
+                    order[r], over[r] = ops, area
         if move % RELAX_ADAPT == RELAX_ADAPT - 1:
             lam = lam * RELAX_RISE if sum(over) else lam / RELAX_FALL
             value = sim.score[0] + lam * sum(over)
@@ -590,6 +621,8 @@ RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes w
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
+STEPS = (-3, -2, -1, 1, 2, 3)  # how far improve() and relax() move an op on its rank
+RELAX_CHAIN = 0.3  # the share of relax()'s moves that are chain moves (_chain_move)
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1 s)
 
