@@ -616,8 +616,9 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops; beyond, fewer by the square:
+RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops with m <= p; beyond, fewer by the square:
 RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes without relax()
+RELAX_MOVES_MANY = 60_000  # the same with m > p, where improve() has no refit starts to improve
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
@@ -919,7 +920,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
     if relaxing:
-        got, ms = relax(P, [list(o) for o in best], int(RELAX_MOVES * fewer), seed=len(starts))
+        moves = RELAX_MOVES_MANY if m > pp else RELAX_MOVES
+        got, ms = relax(P, [list(o) for o in best], int(moves * fewer), seed=len(starts))
         if ms < score[0] - EPS:
             how += f" + relaxed across the cap ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
