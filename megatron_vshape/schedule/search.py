@@ -516,8 +516,8 @@ def _single_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict
 def _chain_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[int, Tuple[List[int], int]]:
     """relax()'s chain move: one microbatch's F, B or W of one chunk moved the same few places
     on every rank at once (on each, the op of that chunk's stage there), as _single_move's
-    changes.  A microbatch late or early along the whole pipeline: moved on one rank alone
-    it only waits there, so single moves rarely take the steps one at a time."""
+    changes.  It moves a microbatch later or earlier along the whole pipeline; the same move
+    on one rank alone only makes the others wait, so single moves rarely get there."""
     j, slot, chunk = rng.randrange(P.m), rng.randrange(3), rng.randrange(2)
     d = rng.choice(STEPS)
     out = {}
@@ -616,16 +616,16 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 40_000  # relax()'s moves up to RELAX_FULL_OPS ops with m <= p; beyond, fewer by the square:
-RELAX_FULL_OPS = 200  # these sizes then plan no slower than the slowest sizes without relax()
-RELAX_MOVES_MANY = 60_000  # the same with m > p, where improve() has no refit starts to improve
+RELAX_MOVES = 40_000  # relax()'s moves with m <= p, up to RELAX_FULL_OPS ops (beyond, fewer by the square)
+RELAX_MOVES_MANY = 60_000  # the same with m > p (no refit starts there); the slowest plans of both take about 1.5 s
+RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
 STEPS = (-3, -2, -1, 1, 2, 3)  # how far improve() and relax() move an op on its rank
 RELAX_CHAIN = 0.3  # the share of relax()'s moves that are chain moves (_chain_move)
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
-DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1 s)
+DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
 
 def cap_of(pp: int, microbatches: int, budget: float) -> float:
