@@ -499,18 +499,23 @@ def _overflow_area(P: Problem, ops: Sequence[int]) -> float:
     return area
 
 
+def _move(P: Problem, ops: List[int], i: int, j: int) -> Optional[Tuple[List[int], int]]:
+    """A rank's order with ops[i] moved to position j, and the first position changed; None
+    when j is off the order or the move is futile."""
+    if not 0 <= j < len(ops) or P.futile(ops, i, j):
+        return None
+    new = ops[:]
+    new.insert(j, new.pop(i))
+    return new, min(i, j)
+
+
 def _single_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[int, Tuple[List[int], int]]:
     """relax()'s plain move: one op a few places either way on its rank, as {rank: (its new
     order, the first position changed)}; empty when futile."""
     r = rng.randrange(P.pp)
-    ops = order[r]
-    i = rng.randrange(len(ops))
-    j = i + rng.choice(STEPS)
-    if not 0 <= j < len(ops) or P.futile(ops, i, j):
-        return {}
-    new = ops[:]
-    new.insert(j, new.pop(i))
-    return {r: (new, min(i, j))}
+    i = rng.randrange(len(order[r]))
+    got = _move(P, order[r], i, i + rng.choice(STEPS))
+    return {} if got is None else {r: got}
 
 
 def _chain_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[int, Tuple[List[int], int]]:
@@ -523,12 +528,10 @@ def _chain_move(P: Problem, order: List[List[int]], rng: random.Random) -> Dict[
     out = {}
     for s in range(chunk * P.pp, (chunk + 1) * P.pp):
         r = P.rank[s]
-        ops = order[r]
-        i = ops.index(3 * (j * P.S + s) + slot)
-        if 0 <= i + d < len(ops) and not P.futile(ops, i, i + d):
-            new = ops[:]
-            new.insert(i + d, new.pop(i))
-            out[r] = (new, min(i, i + d))
+        i = order[r].index(3 * (j * P.S + s) + slot)
+        got = _move(P, order[r], i, i + d)
+        if got is not None:
+            out[r] = got
     return out
 
 
