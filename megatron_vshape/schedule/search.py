@@ -48,7 +48,8 @@ import heapq
 import math
 import random
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from itertools import accumulate
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import slots
 from .blocks import EPS, Stuck
@@ -89,6 +90,26 @@ class Problem:
             for k, (d, h) in enumerate(self.inputs(o)):
                 (self.in1, self.in2)[k][o], (self.hop1, self.hop2)[k][o] = d, h
         self.span = [self.dur[(o // 3) % S][o % 3] for o in range(n)]
+        # run()'s inner loop reads one tuple per op: its inputs and hops, its duration, and the
+        # least time the run goes on after it ends (its microbatch's chain of later ops), so a
+        # trial against a limit stops as soon as it surely ends after it.
+        tail = self.tails()
+        self.spec = [(self.in1[o], self.hop1[o], self.in2[o], self.hop2[o], self.span[o], tail[(o // 3) % S][o % 3])
+                     for o in range(n)]
+        self.delta = [(self.size[(o // 3) % S], 0.0, -self.size[(o // 3) % S])[o % 3] for o in range(n)]  # live()'s steps
+
+    def tails(self) -> List[Tuple[float, float, float]]:
+        """Per stage, for its F, B and W: the longest chain of the ops that wait for it (with
+        their hops), from its end to its microbatch's last op: F@s feeds F@s+1 and B@s, B@s
+        feeds B@s-1 and W@s."""
+        S, dur = self.S, self.dur
+        b = [0.0] * S
+        for s in range(S):
+            b[s] = max(dur[s][2], self.b_hop[s - 1] + dur[s - 1][1] + b[s - 1] if s else 0.0)
+        f = [0.0] * S
+        for s in range(S - 1, -1, -1):
+            f[s] = max(dur[s][1] + b[s], self.f_hop[s + 1] + dur[s + 1][0] + f[s + 1] if s < S - 1 else 0.0)
+        return [(f[s], b[s], 0.0) for s in range(S)]
 
     def op(self, i: int) -> Op:
         return Op((F, B, W)[i % 3], i // (3 * self.S), (i // 3) % self.S)
@@ -118,7 +139,7 @@ class Problem:
 
     def evaluate(self, order: Sequence[Sequence[int]], limit: float = math.inf) -> Optional[Tuple[float, float, float]]:
         """(makespan, sum of rank finish times, sum of the F's and B's end times) of the
-        eager run, or None on deadlock (or as soon as an op ends after `limit`).  The
+        eager run, or None on deadlock (or as soon as it surely ends after `limit`).  The
         simulator's rules (simulate.run_lists), on integer ops.  The two sums break ties of
         makespan: the first favours ranks that finish early, the second the ops other ranks
         wait for (a W waits for nobody)."""
@@ -131,8 +152,9 @@ class Problem:
     def run(self, order: Sequence[Sequence[int]], limit: float, end: List[float], pos: List[int],
             free: List[float]) -> Optional[Tuple[float, float, float]]:
         """evaluate() from a given state: `end` of every op done (-1 if not; blank()'s
-        layout), each rank's next position and its free time.  Fills `end` in place."""
-        in1, in2, hop1, hop2, span = self.in1, self.in2, self.hop1, self.hop2, self.span
+        layout), each rank's next position and its free time.  Fills `end` in place.  None as
+        soon as an op's end plus its chain of later ops passes `limit`: the run ends after it."""
+        spec = self.spec
         lens = [len(o) for o in order]
         moved = True
         while moved:
@@ -142,20 +164,21 @@ class Problem:
                 start_i = i
                 while i < n:
                     o = ops[i]
-                    a = end[in1[o]]
+                    d1, h1, d2, h2, span, tail = spec[o]
+                    a = end[d1]
                     if a < 0:
                         break
-                    b = end[in2[o]]
+                    b = end[d2]
                     if b < 0:
                         break
-                    a += hop1[o]
+                    a += h1
                     if a > t:
                         t = a
-                    b += hop2[o]
+                    b += h2
                     if b > t:
                         t = b
-                    t += span[o]
-                    if t > limit:
+                    t += span
+                    if t + tail > limit:
                         return None
                     end[o] = t
                     i += 1
@@ -176,18 +199,12 @@ class Problem:
             return [(o - 1, 0.0), (o + 3, self.b_hop[s])]
         return [(o - 1, 0.0)]
 
+    def live(self, ops: Sequence[int]) -> Iterator[float]:
+        """The weighted activations a rank holds after each of its ops."""
+        return accumulate(map(self.delta.__getitem__, ops))
+
     def peak(self, ops: Sequence[int]) -> float:
-        live = top = 0.0
-        S, size = self.S, self.size
-        for o in ops:
-            slot = o % 3
-            if slot == 0:
-                live += size[(o // 3) % S]
-                if live > top:
-                    top = live
-            elif slot == 2:
-                live -= size[(o // 3) % S]
-        return top
+        return max(self.live(ops), default=0.0)
 
     def fits(self, order: Sequence[Sequence[int]]) -> bool:
         return all(self.peak(ops) <= self.cap + EPS for ops in order)
@@ -486,17 +503,8 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
 
 def _overflow_area(P: Problem, ops: Sequence[int]) -> float:
     """How far a rank's order goes over the cap, summed over its F's (0 when it fits)."""
-    live = area = 0.0
-    S, size, cap = P.S, P.size, P.cap
-    for o in ops:
-        slot = o % 3
-        if slot == 0:
-            live += size[(o // 3) % S]
-            if live > cap + EPS:
-                area += live - cap
-        elif slot == 2:
-            live -= size[(o // 3) % S]
-    return area
+    cap, over = P.cap, P.cap + EPS
+    return sum(x - cap for x, o in zip(P.live(ops), ops) if x > over and o % 3 == 0)
 
 
 def _move(P: Problem, ops: List[int], i: int, j: int) -> Optional[Tuple[List[int], int]]:
