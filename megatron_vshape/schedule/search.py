@@ -119,13 +119,12 @@ class Problem:
         own rank that it feeds or is fed by (a deadlock), or put it before one of the same
         kind and stage of a lower microbatch or after a higher one (never needed:
         microbatches are interchangeable, see optimal.py)."""
-        o, kinds = ops[i], 3 * self.S
+        o, kinds, in1, in2 = ops[i], 3 * self.S, self.in1, self.in2
         kind = o % kinds
         if j < i:
             passed = ops[j:i]
-            return (any(d in passed for d, _ in self.inputs(o))
-                    or any(x % kinds == kind and x < o for x in passed))
-        return any(x % kinds == kind and x > o or any(d == o for d, _ in self.inputs(x)) for x in ops[i + 1:j + 1])
+            return in1[o] in passed or in2[o] in passed or any(x % kinds == kind and x < o for x in passed)
+        return any(x % kinds == kind and x > o or in1[x] == o or in2[x] == o for x in ops[i + 1:j + 1])
 
     def encode(self, ranks: Sequence[Sequence[Op]]) -> List[List[int]]:
         slot = {F: 0, B: 1, W: 2}
@@ -507,6 +506,23 @@ def _overflow_area(P: Problem, ops: Sequence[int]) -> float:
     return sum(x - cap for x, o in zip(P.live(ops), ops) if x > over and o % 3 == 0)
 
 
+def _area_after(P: Problem, old: List[int], new: List[int], lo: int, live: List[float], area: float) -> float:
+    """_overflow_area of `new`, a rank's order that differs from `old` (whose live() is
+    `live` and overflow area `area`) only from position lo over a few places: the same
+    area, not summed again, when no F in those places goes over the cap in either."""
+    hi, over, n = lo, P.cap + EPS, len(new)
+    while hi < n and new[hi] != old[hi]:
+        hi += 1
+    if any(live[k] > over and old[k] % 3 == 0 for k in range(lo, hi)):
+        return _overflow_area(P, new)
+    now = live[lo - 1] if lo else 0.0
+    for o in new[lo:hi]:
+        now += P.delta[o]
+        if now > over and o % 3 == 0:
+            return _overflow_area(P, new)
+    return area
+
+
 def _move(P: Problem, ops: List[int], i: int, j: int) -> Optional[Tuple[List[int], int]]:
     """A rank's order with ops[i] moved to position j, and the first position changed; None
     when j is off the order or the move is futile."""
@@ -556,6 +572,7 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     rng = random.Random(seed)
     sim = _Rerun(P, order)
     over = [_overflow_area(P, o) for o in order]
+    lives = [list(P.live(o)) for o in order]  # of the current order, for _area_after
     mean_op = sum(map(sum, P.dur)) / (3 * len(P.dur))
     lam = RELAX_PRICE * mean_op  # time charged per stage-activation over the cap
     value = sim.score[0] + lam * sum(over)
@@ -564,13 +581,15 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
         changes = _chain_move(P, order, rng) if rng.random() < RELAX_CHAIN else _single_move(P, order, rng)
         if changes:
             was = {r: (order[r], over[r]) for r in changes}
-            for r, (new, _) in changes.items():
-                order[r], over[r] = new, _overflow_area(P, new)
+            for r, (new, lo) in changes.items():
+                order[r], over[r] = new, _area_after(P, order[r], new, lo, lives[r], over[r])
             excess = sum(over)
             price = lam * excess
             got = sim.trial(order, {r: lo for r, (_, lo) in changes.items()}, value - price + EPS)
             if got is not None and got[0] + price < value + EPS:
                 sim.commit(order)
+                for r in changes:
+                    lives[r] = list(P.live(order[r]))
                 value = got[0] + price
                 if got[0] < best_ms - EPS and excess == 0.0:
                     best, best_ms = [o[:] for o in order], got[0]
