@@ -646,8 +646,8 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 40_000  # relax()'s moves with m <= p, up to RELAX_FULL_OPS ops (beyond, fewer by the square)
-RELAX_MOVES_MANY = 70_000  # the same with m > p (no refit starts there); the slowest plans of both take about 1.55 s
+RELAX_MOVES = 45_000  # relax()'s moves with m <= p, up to RELAX_FULL_OPS ops (beyond, fewer by the square)
+RELAX_MOVES_MANY = 78_000  # the same with m > p (no refit starts there); the slowest plans take about 1.55 s and 1.3 s
 RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
