@@ -90,6 +90,64 @@ def test_a_move_reruns_only_what_it_can_change():
     assert 0 < deadlocks < 1500
 
 
+def test_a_trial_against_a_limit_fails_exactly_when_the_run_ends_after_it():
+    # run() stops a trial once an op's end plus the rest of its microbatch's chain passes the
+    # limit: that must never reject an order that ends within it.  Unequal stages (the tails
+    # differ per stage) and limits around the current makespan.
+    costs = SKEWED.per_stage(2)
+    sc = [StageCost(1.0, 1.1, 0.8, 1.0)] * 8
+    sc[0], sc[1], sc[7] = StageCost(1.2, 1.3, 0.9, 1.35), StageCost(0.9, 1.0, 0.7, 0.85), StageCost(1.6, 1.9, 1.1, 1.7)
+    table = stage_table(costs, 8, sc)
+    P = search.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.75))
+    order = [list(o) for o in search._plan("v-auto", 4, 7, costs, table, 0.75)[0]]
+    rerun, rng, kinds = search._Rerun(P, order), random.Random(1), set()
+    for _ in range(1500):
+        r = rng.randrange(4)
+        i = rng.randrange(len(order[r]))
+        j = min(len(order[r]) - 1, max(0, i + rng.choice((-3, -2, -1, 1, 2, 3))))
+        if i == j:
+            continue
+        old = order[r]
+        order[r] = old[:]
+        order[r].insert(j, order[r].pop(i))
+        limit = rerun.score[0] + rng.choice((-2.0, -0.5, 0.0, 0.3, 2.0)) + 1e-9
+        got, whole = rerun.trial(order, {r: min(i, j)}, limit), P.evaluate(order)
+        if whole is None or whole[0] > limit:
+            assert got is None
+            kinds.add("past" if whole else "deadlock")
+        else:
+            assert got == whole
+            kinds.add("within")
+            if rng.random() < 0.5:
+                rerun.commit(order)
+                continue
+        order[r] = old
+    assert kinds == {"past", "deadlock", "within"}
+
+
+def test_relax_keeps_the_overflow_area_of_every_move_exact():
+    # relax() re-sums a rank's overflow area only when an F in the moved places goes over the
+    # cap; otherwise it keeps the old one.  Both must agree with the whole sum, over the cap too.
+    costs = HOP.per_stage(2)
+    sc = [StageCost(1.0, 1.0, 1.0, 1.0)] * 8
+    sc[0], sc[7] = StageCost(1.0, 1.0, 1.0, 1.3), StageCost(1.0, 1.0, 1.0, 0.7)
+    table = stage_table(costs, 8, sc)
+    P = search.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
+    order = [list(o) for o in search._plan("v-auto", 4, 6, costs, table, 0.625)[0]]
+    lives = [list(P.live(o)) for o in order]
+    areas = [search._overflow_area(P, o) for o in order]
+    rng, over = random.Random(2), 0
+    for k in range(3000):
+        changes = (search._chain_move if k % 3 == 0 else search._single_move)(P, order, rng)
+        for r, (new, lo) in changes.items():
+            got = search._area_after(P, order[r], new, lo, lives[r], areas[r])
+            assert got == pytest.approx(search._overflow_area(P, new), abs=1e-9)
+            if rng.random() < 0.7:  # drift, over the cap too
+                order[r], lives[r], areas[r] = new, list(P.live(new)), got
+                over += got > 0
+    assert over > 100
+
+
 def test_a_chain_move_moves_one_op_on_every_rank_and_reruns_exactly():
     # relax()'s chain move: one microbatch's F, B or W of one chunk, the same few places on
     # every rank where that is not futile; the incremental run over several changed ranks
