@@ -822,7 +822,16 @@ def main(argv=None) -> int:
         return EXIT_RUNTIME
     finally:
         if dist.is_initialized():
+            # Free every group while the interpreter is alive: a gloo group that Megatron's
+            # globals still hold is freed at interpreter shutdown instead, where it can abort
+            # the process after a finished run ("terminate called without an active exception").
+            import gc
+
+            from .launch import destroy_megatron
+
+            destroy_megatron()
             dist.destroy_process_group()
+            gc.collect()
     return 0
 
 
