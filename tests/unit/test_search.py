@@ -64,6 +64,20 @@ def test_v_half_reaches_the_proven_optimum_at_pp4_m8():
     assert simulate(registry.build("v-half", 4, 8, SKEWED)).makespan == pytest.approx(53.8, abs=1e-9)
 
 
+def _random_move(order, rng, steps):
+    """One op of a random rank moved by one of `steps` (clamped to the order), in place:
+    (rank, first changed position, the rank's order before); None when it would not move."""
+    r = rng.randrange(len(order))
+    i = rng.randrange(len(order[r]))
+    j = min(len(order[r]) - 1, max(0, i + rng.choice(steps)))
+    if i == j:
+        return None
+    old = order[r]
+    order[r] = old[:]
+    order[r].insert(j, order[r].pop(i))
+    return r, min(i, j), old
+
+
 def test_a_move_reruns_only_what_it_can_change():
     # improve's incremental run equals a whole run after any move, kept or not, deadlocks too.
     costs = Costs.parse("2,2.2,1.6,0.05").per_stage(2)
@@ -72,15 +86,11 @@ def test_a_move_reruns_only_what_it_can_change():
     order = [list(o) for o in search._plan("v-auto", 4, 8, costs, table, 0.625)[0]]
     rerun, rng, deadlocks = search._Rerun(P, order), random.Random(0), 0
     for _ in range(1500):
-        r = rng.randrange(4)
-        i = rng.randrange(len(order[r]))
-        j = min(len(order[r]) - 1, max(0, i + rng.choice((-6, -3, -1, 1, 2, 5))))
-        if i == j:
+        moved = _random_move(order, rng, (-6, -3, -1, 1, 2, 5))
+        if moved is None:
             continue
-        old = order[r]
-        order[r] = old[:]
-        order[r].insert(j, order[r].pop(i))
-        got = rerun.trial(order, {r: min(i, j)}, math.inf)
+        r, lo, old = moved
+        got = rerun.trial(order, {r: lo}, math.inf)
         assert got == P.evaluate(order)
         deadlocks += got is None
         if got is not None and rng.random() < 0.5:
@@ -102,16 +112,12 @@ def test_a_trial_against_a_limit_fails_exactly_when_the_run_ends_after_it():
     order = [list(o) for o in search._plan("v-auto", 4, 7, costs, table, 0.75)[0]]
     rerun, rng, kinds = search._Rerun(P, order), random.Random(1), set()
     for _ in range(1500):
-        r = rng.randrange(4)
-        i = rng.randrange(len(order[r]))
-        j = min(len(order[r]) - 1, max(0, i + rng.choice((-3, -2, -1, 1, 2, 3))))
-        if i == j:
+        moved = _random_move(order, rng, (-3, -2, -1, 1, 2, 3))
+        if moved is None:
             continue
-        old = order[r]
-        order[r] = old[:]
-        order[r].insert(j, order[r].pop(i))
+        r, lo, old = moved
         limit = rerun.score[0] + rng.choice((-2.0, -0.5, 0.0, 0.3, 2.0)) + 1e-9
-        got, whole = rerun.trial(order, {r: min(i, j)}, limit), P.evaluate(order)
+        got, whole = rerun.trial(order, {r: lo}, limit), P.evaluate(order)
         if whole is None or whole[0] > limit:
             assert got is None
             kinds.add("past" if whole else "deadlock")
