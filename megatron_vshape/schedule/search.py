@@ -658,9 +658,15 @@ DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square bey
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
 
-def cap_of(pp: int, microbatches: int, budget: float) -> float:
-    """Weighted stage-activations a rank may hold under `budget` (see the module docstring)."""
-    return math.floor(budget * 2 * one_f_one_b_peak(pp, microbatches) + 1e-9)
+def cap_of(pp: int, microbatches: int, budget: float, table: Optional[Sequence[StageCost]] = None) -> float:
+    """Weighted stage-activations a rank may hold under `budget` (see the module docstring):
+    floored where every stage's size is a whole number (a rank's sum is one then, so the
+    same orders fit, and equal problems get equal caps), else the budget itself, as the
+    verifier checks it (floored, stages of size 1.3 would lose up to one activation)."""
+    cap = budget * 2 * one_f_one_b_peak(pp, microbatches)
+    if table is None or all(float(c.size).is_integer() for c in table):
+        return math.floor(cap + 1e-9)
+    return cap
 
 
 def budget_steps(pp: int, microbatches: int, high: float = MAX_BUDGET) -> List[Tuple[int, float]]:
@@ -677,10 +683,10 @@ def check_budget(name: str, pp: int, microbatches: int, budget: float, table: Se
     if not (isinstance(budget, (int, float)) and low - 1e-12 <= budget <= MAX_BUDGET):
         raise ConfigError(f"{name}: --memory-budget {budget!r} is outside {low:.4g} (V-Min's ((p+4)//3)/p at pp={pp}) "
                           f"to {MAX_BUDGET:g}; give a fraction of 1F1B's activation memory in that range")
-    cap = cap_of(pp, microbatches, budget)
+    cap = cap_of(pp, microbatches, budget, table)
     need = max(table[r].size + table[2 * pp - 1 - r].size for r in range(pp))
     if cap + EPS < need:
-        more = next((k for k in range(microbatches + 1, pp + 1) if cap_of(pp, k, budget) + EPS >= need), None)
+        more = next((k for k in range(microbatches + 1, pp + 1) if cap_of(pp, k, budget, table) + EPS >= need), None)
         fix = f"use microbatches >= {more}" if more else "raise --memory-budget"
         raise ConfigError(f"{name}: microbatches={microbatches} is too few for pp={pp} at memory budget {budget:g}: "
                           f"a rank may hold {cap:g} stage-activations but one microbatch needs {need:g} on one rank; {fix}")
@@ -924,8 +930,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # with m <= p (all warm-up and cool-down) between any two.  Between V-Half's and V-ZB's
     # with m > p, relax() alone found nothing shorter on the instances with proven optima:
     # delay_search() runs there instead.
-    half_cap, zb_cap = (cap_of(pp, m, b(pp)) for _, b in NAMED_BUDGETS[1:])
-    between = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1]) + EPS
+    half_cap, zb_cap = (cap_of(pp, m, b(pp), table) for _, b in NAMED_BUDGETS[1:])
+    between = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1], table) + EPS
     relaxing = between and (m <= pp or cap < half_cap - EPS)
     delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     if relaxing and m > pp:
@@ -984,7 +990,7 @@ def plan(name: str, pp: int, microbatches: int, costs: Optional[Costs], budget: 
         stage_costs = fit(stage_costs, 2 * pp, f"{name} at pp={pp}")
     table = stage_table(costs, 2 * pp, stage_costs)
     order, how = _plan(name, pp, microbatches, costs, table, float(budget))
-    P = Problem(pp, microbatches, costs, table, cap_of(pp, microbatches, budget))
+    P = Problem(pp, microbatches, costs, table, cap_of(pp, microbatches, budget, table))
     s = P.schedule(name, order, float(budget), stage_costs, {"plan": how, "makespan": P.evaluate(order)[0]})
     return verify(s)
 

@@ -237,6 +237,22 @@ def test_unequal_stages_planned_for_and_within_budget():
         assert sim.makespan <= simulate(equal).makespan + 1e-9
 
 
+def test_fractional_stage_sizes_fill_the_budget_not_its_floor():
+    # An embedding stage 1.3 times a plain one: rank 0's weighted sum is not a whole number,
+    # so the cap is the budget itself (4.92 stage-activations at 0.82, pp=3), as the verifier
+    # and the exact reference count it; floored to 4 it would leave rank 0 a microbatch short.
+    c = Costs(1, 2, 1, 0.1)
+    sc = [StageCost(0.7, 1.3, 0.75, 1.3)] + [StageCost(0.5, 1, 0.5)] * 5
+    table = stage_table(c.per_stage(2), 6, sc)
+    assert search.cap_of(3, 9, 0.82, table) == pytest.approx(4.92)
+    assert search.cap_of(3, 9, 0.82) == search.cap_of(3, 9, 0.82, stage_table(c.per_stage(2), 6, None)) == 4
+    s = verify(registry.build("v-auto", 3, 9, c, memory_budget=0.82, stage_costs=sc))
+    sim = simulate(s)
+    assert 4 < sim.peak_activations[0] <= 4.92 and max(sim.peak_vs_1f1b) <= 0.82 + 1e-9
+    floor = simulate(registry.build("v-auto", 3, 9, c, memory_budget=4 / 6, stage_costs=sc))
+    assert sim.makespan < floor.makespan - 1
+
+
 def test_fastest_within_names_the_fastest_fitting_schedule():
     best, reason = fastest_within(4, 16, SKEWED, 1.0)
     fitting = []
