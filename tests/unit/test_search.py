@@ -339,6 +339,15 @@ def test_relax_crosses_the_cap_and_returns_an_order_that_fits():
     assert planned <= 45.1 * 1.01, planned  # within 1% of the proven optimum (47.7 without relax)
 
 
+def test_relax_above_v_zb_reaches_the_proven_optimum():
+    # Above V-ZB's cap no block is built for the cap, and improve() alone stopped at 22.75
+    # (pp=4, m=6, 1,1.5,0.5,0.25 at budget 1.25); CP-SAT proves 22.25, which relax() reaches.
+    s = verify(registry.build("v-auto", 4, 6, Costs(1, 1.5, 0.5, 0.25), memory_budget=1.25))
+    assert "relaxed across the cap" in s.meta["plan"]
+    assert simulate(s).makespan == pytest.approx(22.25)
+    assert max(simulate(s).peak_vs_1f1b) <= 1.25
+
+
 def test_futile_moves_are_exactly_the_same_rank_deadlocks_and_microbatch_swaps():
     # relax() skips a move only when it puts an op before its own rank's input (or after an
     # op it feeds there), or swaps two microbatches of one kind and stage out of order.
