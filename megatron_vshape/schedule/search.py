@@ -21,8 +21,9 @@ candidates and keeps the shortest under the simulator's rules:
     makespan (then the sum of rank finish times) drops, or stays, and the cap still holds;
   * then the best order's F's and B's kept and its W's placed anew by the greedy's rule
     (into waits at least theta * W long, or where memory needs them), kept if shorter;
-  * on short runs with a cap between V-Min's and V-Half's or above V-ZB's (between any
-    named caps when m <= p), a search that may cross the cap at a price (`relax`): the tight cap blocks
+  * on short runs at a named V-shape's cap, between V-Min's and V-Half's or above V-ZB's
+    (between any named caps when m <= p), a search that may cross the cap at a price
+    (`relax`; v-auto's own gets its share less what the named plan it includes spent): the tight cap blocks
     nearly every move that fits, so it goes through orders over the cap to shorter ones
     that fit again, kept if shorter; besides single ops it moves one microbatch's op along
     the whole pipeline at once (a chain move: the same op kind and chunk on every rank);
@@ -646,11 +647,15 @@ STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
-RELAX_MOVES = 45_000  # relax()'s moves with m <= p, up to RELAX_FULL_OPS ops (beyond, fewer by the square)
-RELAX_MOVES_MANY = 78_000  # the same with m > p (no refit starts there); the slowest plans take about 1.55 s and 1.3 s
-RELAX_MOVES_ABOVE = 40_000  # the same above V-ZB's cap (moves cost more where the cap rarely binds): about 1.25 s
+# relax()'s moves for one plan, up to RELAX_FULL_OPS ops (beyond, fewer by the square): a named
+# V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
+# the named plan it includes having spent those.  The slowest plans take about 1.55 s.
+RELAX_MOVES_NAMED = 15_000
+RELAX_MOVES = 45_000  # with m <= p (improve()'s refit starts need time there)
+RELAX_MOVES_MANY = 78_000  # with m > p, between V-Min's and V-Half's caps
+RELAX_MOVES_ABOVE = 50_000  # with m > p above V-ZB's cap (moves cost more where the cap rarely binds)
 RELAX_FULL_OPS = 200
-RELAX_SHARE = 2  # with m > p, improve() gets 1/RELAX_SHARE of its work when relax() runs
+RELAX_SHARE = 2  # with m > p, v-auto's improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
 RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so many moves
 STEPS = (-3, -2, -1, 1, 2, 3)  # how far improve() and relax() move an op on its rank
@@ -926,8 +931,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
-    # Short runs with a cap between the named V-shapes' (or above V-ZB's) get relax() too:
-    # between V-Min's and V-Half's, where their blocks leave memory unused and the tight cap
+    # Short runs get relax() too: the named V-shapes' (their blocks are built for equal
+    # stages and costs, and elsewhere improve() stops up to 8% above the optimum); between
+    # V-Min's and V-Half's caps, where their blocks leave memory unused and the tight cap
     # stalls improve(); above V-ZB's, where no block was built for the cap; and with m <= p
     # (all warm-up and cool-down) between any two.  Between V-Half's and V-ZB's with m > p,
     # relax() alone found nothing shorter on the instances with proven optima:
@@ -935,9 +941,13 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     half_cap, zb_cap = (cap_of(pp, m, b(pp), table) for _, b in NAMED_BUDGETS[1:])
     between = n_ops <= RELAX_OPS and below is not None and cap > cap_of(pp, m, below[1], table) + EPS
     delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
-    relaxing = between and not delaying
-    if relaxing and m > pp:
-        work //= RELAX_SHARE  # the time goes to relax() (with m <= p, improve's refit starts need it)
+    named = name in dict(NAMED_BUDGETS)
+    relaxing = (between and not delaying) or (named and n_ops <= RELAX_OPS and RELAX_MOVES_NAMED > 0)
+    if relaxing and m > pp and not named:
+        # The time goes to relax().  Not with m <= p, where improve()'s refit starts need it,
+        # nor in a named plan, whose relax() is short (v-half's proven optimum at pp=4, m=8
+        # needs its whole improve()).
+        work //= RELAX_SHARE
     fewer = min(1.0, RELAX_FULL_OPS / n_ops) ** 2  # relax()'s moves beyond RELAX_FULL_OPS ops
     results, left = [], 0
     for k, (score, _, order, how) in enumerate(starts):
@@ -958,7 +968,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
     if relaxing:
-        moves = RELAX_MOVES if m <= pp else RELAX_MOVES_ABOVE if cap > zb_cap + EPS else RELAX_MOVES_MANY
+        if named:
+            moves = RELAX_MOVES_NAMED
+        else:
+            moves = RELAX_MOVES if m <= pp else RELAX_MOVES_ABOVE if cap > zb_cap + EPS else RELAX_MOVES_MANY
+            moves -= RELAX_MOVES_NAMED if any(c[1] == -1 for c in cands) else 0
         got, ms = relax(P, [list(o) for o in best], int(moves * fewer), seed=len(starts))
         if ms < score[0] - EPS:
             how += f" + relaxed across the cap ({score[0]:g} -> {ms:g})"

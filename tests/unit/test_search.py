@@ -348,6 +348,16 @@ def test_relax_above_v_zb_reaches_the_proven_optimum():
     assert max(simulate(s).peak_vs_1f1b) <= 1.25
 
 
+def test_named_plans_relax_too():
+    # A named V-shape's cap with a heavier embedding stage (1.3x the activations): no block
+    # was built for those costs, and improve() alone stopped at 40.3 (pp=2, m=5, 2,3,1,0.5,
+    # V-Min's budget 1.0); relax() reaches 38.2, which CP-SAT proves optimal.
+    sc = [StageCost(1.4, 1.95, 0.75, 1.3)] + [StageCost(1, 1.5, 0.5)] * 3
+    s = verify(registry.build("v-min", 2, 5, Costs(2, 3, 1, 0.5), stage_costs=sc))
+    assert "relaxed across the cap" in s.meta["plan"]
+    assert simulate(s).makespan == pytest.approx(38.2)
+
+
 def test_futile_moves_are_exactly_the_same_rank_deadlocks_and_microbatch_swaps():
     # relax() skips a move only when it puts an op before its own rank's input (or after an
     # op it feeds there), or swaps two microbatches of one kind and stage out of order.
