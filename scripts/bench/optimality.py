@@ -6,7 +6,7 @@ Default grid: pp 2, 3, 4; microbatches p, 2p and 3p (at most 8); the three cost 
 schedules.py.  Each budget is the smallest that gives its cap (one stage-activation per step).
 
     python scripts/bench/optimality.py [--pp 2,3,4] [--microbatches 4,5,6,7,8] [--time-limit 40]
-                                       [--csv out/bench_optimality.csv]
+                                       [--costs '1,2,1,0.1;3,2,2,1'] [--csv out/bench_optimality.csv]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import time
 
 from megatron_vshape.cli import format_table
 from megatron_vshape.schedule import optimal, registry, search
+from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Costs
 from megatron_vshape.schedule.simulate import simulate
 
@@ -31,10 +32,10 @@ def budgets(pp: int, m: int):
     return [(b, cap) for cap, b in search.budget_steps(pp, m, high=1.0)]
 
 
-def rows(pps, limit: float, microbatches=()):
+def rows(pps, limit: float, microbatches=(), cost_sets=COST_SETS):
     for pp in pps:
         for m in microbatches or sorted({pp, 2 * pp, min(8, 3 * pp)}):
-            for costs in COST_SETS:
+            for costs in cost_sets:
                 for budget, cap in budgets(pp, m):
                     search._plan.cache_clear()
                     t = time.process_time()
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", default="", help="comma-separated microbatch counts for every pp "
                     "(default p, 2p and 3p up to 8)")
     ap.add_argument("--time-limit", type=float, default=40.0, help="solver seconds per instance (default 40)")
+    ap.add_argument("--costs", default=";".join(COST_SETS), help="semicolon-separated cost sets F,B,W,C "
+                    "(per rank, as --costs elsewhere; default the three of schedules.py)")
     ap.add_argument("--csv", default="out/bench_optimality.csv", help="where to write the CSV")
     args = ap.parse_args(argv)
     optimal.require_ortools()
@@ -60,7 +63,13 @@ def main(argv=None) -> int:
     ms = [int(x) for x in args.microbatches.split(",") if x]
     if any(m < 1 for m in ms):
         ap.error(f"--microbatches {args.microbatches}: give positive counts, e.g. 4,5,6")
-    for row in rows([int(x) for x in args.pp.split(",") if x], args.time_limit, ms):
+    cost_sets = [c.strip() for c in args.costs.split(";") if c.strip()]
+    for c in cost_sets:
+        try:
+            Costs.parse(c)
+        except ConfigError as exc:
+            ap.error(str(exc))
+    for row in rows([int(x) for x in args.pp.split(",") if x], args.time_limit, ms, cost_sets):
         done.append(row)
         print(f"pp={row['pp']} m={row['microbatches']} {row['costs']} budget {row['budget']:g}: planner "
               f"{row['planner']:g}, {row['status']} {row['optimum']:g}, gap {row['gap']:.2%}", flush=True)

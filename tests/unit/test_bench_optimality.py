@@ -55,3 +55,15 @@ def test_microbatches_option_chooses_the_counts(tmp_path):
     assert [int(r["microbatches"]) for r in rows] == [3, 3, 3]  # three cost sets, one budget at pp=2
     with pytest.raises(SystemExit):
         bench.main(["--pp", "2", "--microbatches", "0"])
+
+
+def test_costs_option_chooses_the_cost_sets(tmp_path):
+    bench = _bench()
+    out = tmp_path / "opt.csv"
+    assert bench.main(["--pp", "2", "--microbatches", "3", "--costs", "1,2,1,0.1; 3,2,2,1", "--time-limit", "60",
+                       "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [r["costs"] for r in rows] == ["1,2,1,0.1", "3,2,2,1"]
+    assert all(r["status"] == "optimal" and 0 <= float(r["gap"]) <= 0.02 for r in rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--pp", "2", "--costs", "1,x,1"])
