@@ -646,7 +646,7 @@ RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the e
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement
 MAX_SWEEPS = 100  # moves per op (6 distances) an improvement tries at most
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
-RELAX_OPS = 400  # runs of up to this many ops between the named caps get relax() (see _plan)
+RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # relax()'s moves for one plan, up to RELAX_FULL_OPS ops (beyond, fewer by the square): a named
 # V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
 # the named plan it includes having spent those.  The slowest plans take about 1.55 s.
