@@ -31,9 +31,9 @@ API
 Rendezvous uses a ``TCPStore`` the parent opens on a free port (port 0), so concurrent
 launches (parallel test runs, several engineers) never race for a port.
 
-``init_megatron(tp=1, pp=1, seed=1234)`` is a helper for ``fn``: it initialises
+Inside ``fn``, ``runtime.groups.init_megatron(tp=1, pp=1, seed=1234)`` initialises
 megatron-core's model-parallel groups and its tensor-parallel RNG tracker (CPU-safe), and
-``destroy_megatron()`` undoes it.
+``destroy_megatron()`` undoes it (both also importable from here).
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..runtime.groups import destroy_megatron, init_megatron  # noqa: F401  (launched fn's helpers)
 
 HOST = "127.0.0.1"
 
@@ -165,21 +167,3 @@ def _other_errors(results, first: int, grace: float = 1.0) -> str:
         if status == "error" and rank != first:
             lines.append(f"rank {rank} also failed: {value.strip().splitlines()[-1]}")
     return ("\n" + "\n".join(lines)) if lines else ""
-
-
-def init_megatron(tp: int = 1, pp: int = 1, seed: int = 1234, **options) -> None:
-    """Initialise megatron-core's parallel groups and its TP RNG tracker inside a launched rank."""
-    import torch
-    from megatron.core import parallel_state, tensor_parallel
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             **options)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_megatron() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()

@@ -827,7 +827,7 @@ def main(argv=None) -> int:
             # the process after a finished run ("terminate called without an active exception").
             import gc
 
-            from .launch import destroy_megatron
+            from ..runtime.groups import destroy_megatron
 
             destroy_megatron()
             dist.destroy_process_group()

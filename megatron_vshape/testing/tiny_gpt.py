@@ -57,7 +57,7 @@ def init_parallel(tp: int, pp: int, placement: Placement, seed: int = 1234) -> N
     Loop and V placements set virtual_pipeline_model_parallel_size to the chunk count so that
     chunks carry vp_stage; V gets an embedding group of the first pipeline rank only.
     """
-    from ..integration.launch import init_megatron
+    from ..runtime.groups import init_megatron
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()

@@ -131,7 +131,7 @@ def _default_embedding_group_error(tiny, placement, tp):
     """Tied V chunks under megatron's default embedding group (first and last rank) must be refused."""
     from megatron.core import parallel_state
 
-    from megatron_vshape.integration.launch import init_megatron
+    from megatron_vshape.runtime.groups import init_megatron
     from megatron_vshape.testing.tiny_gpt import build_chunks
 
     parallel_state.destroy_model_parallel()

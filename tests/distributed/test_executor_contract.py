@@ -54,7 +54,7 @@ def _forward_step_per_token(data_iterator, model):
 
 
 def _job(rank, world_size, m):
-    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
 
     init_megatron(tp=1, pp=world_size)
     out = {}
@@ -187,7 +187,7 @@ def test_contract(pp):
 
 def _stuck_job(rank, world_size):
     """Rank 1 never joins the step: rank 0 must fail with a clear error instead of hanging."""
-    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
     from megatron_vshape.runtime.p2p import directional_groups
 
     init_megatron(tp=1, pp=world_size)

@@ -174,7 +174,7 @@ def _run_case(name, pp, m, options, rank, ddp_like=False):
 
 
 def _job(rank, world_size, cases, with_reference):
-    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
 
     init_megatron(tp=1, pp=world_size)
     results = {}

@@ -18,7 +18,7 @@ def _job(rank, world_size, sequence_parallel):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron_vshape.integration.launch import destroy_megatron, init_megatron
+    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
     from megatron_vshape.runtime import wgrad
 
     init_megatron(tp=world_size, pp=1)
