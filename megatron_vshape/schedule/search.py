@@ -29,10 +29,14 @@ candidates and keeps the shortest under the simulator's rules:
     the whole pipeline at once (a chain move: the same op kind and chunk on every rank);
   * on short runs, one more improvement of the best order with ties of makespan broken by
     the F's and B's end times (a W waits for nobody), kept if shorter;
-  * last, on short runs with m > p and a cap between V-Half's and V-ZB's, `delay_search`:
+  * on short runs with m > p and a cap between V-Half's and V-ZB's, `delay_search`:
     the first chunk's backward delayed by one microbatch from some microbatch on, on
     every rank at once (`delayed`), then relaxed back under the cap; each try starts from
-    the best order so far, and the best is kept if shorter.
+    the best order so far, and the best is kept if shorter;
+  * last, the cool-down list-scheduled anew (`relist`): each rank keeps its order up to its
+    last chunk-0 F (or a few microbatches earlier) and a greedy rule runs the rest under the
+    real costs; first on the squeezed blocks (the best of them, improved on long runs, kept
+    if shorter than the plan so far), then on the plan.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -225,20 +229,22 @@ RULES: Tuple[Tuple[str, float, str], ...] = tuple(
 
 
 def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
-           follow: Optional[Sequence[Sequence[int]]] = None) -> List[List[int]]:
+           follow: Optional[Sequence[Sequence[int]]] = None,
+           keep: Optional[Sequence[Sequence[int]]] = None) -> List[List[int]]:
     """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
     can never proceed (only when the cap cannot hold one microbatch's two stages).  With
     `follow`, each rank runs that order's F's and B's in that order instead, and only the
-    W's are placed anew by the rule (into waits, or where memory needs them)."""
+    W's are placed anew by the rule (into waits, or where memory needs them).  With `keep`,
+    each rank first runs its prefix keep[r] exactly (it must fit the cap), then the rule."""
     pp, S, m, cap, size, dur = P.pp, P.S, P.m, P.cap + EPS, P.size, P.dur
     rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
     prefs = [(k[0], int(k[1])) for k in order.split()]
     fb = None if follow is None else [[o for o in ops if o % 3 != 2] for ops in follow]
     done_fb = [0] * pp
-    end = [-1.0] * (3 * m * S)
+    end = [-1.0] * (3 * m * S) + [0.0]  # P's layout: the sentinel input, done at 0
+    in1, in2, hop1, hop2 = P.in1, P.in2, P.hop1, P.hop2
     nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
-    wq: List[List[int]] = [[] for _ in range(pp)]
-    wi = [0] * pp
+    wq: List[List[int]] = [[] for _ in range(pp)]  # W's whose B ran, oldest B first
     live = [0.0] * pp
     pending = [0.0] * pp  # sizes reserved for second-chunk F's of microbatches already in
     out: List[List[int]] = [[] for _ in range(pp)]
@@ -254,7 +260,16 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
             continue
         s0, s1 = stages[r]
         best, soonest, mem_blocked = -1, inf, False
-        if fb is None:
+        kept = keep is not None and len(out[r]) < len(keep[r])
+        if kept:
+            o = keep[r][len(out[r])]
+            a, b = end[in1[o]], end[in2[o]]
+            ready = inf if a < 0 or b < 0 else max(a + hop1[o], b + hop2[o])
+            if ready <= t + EPS:
+                best = o
+            ops = []
+            soonest = ready
+        elif fb is None:
             ops = [3 * (nxt[r][(kind, chunk)] * S + (s1 if chunk else s0)) + (kind == B)
                    for kind, chunk in prefs if nxt[r][(kind, chunk)] < m]
         else:
@@ -287,8 +302,8 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                 best = o
                 break
             soonest = min(soonest, ready)
-        if best < 0 and wi[r] < len(wq[r]):
-            w = wq[r][wi[r]]
+        if best < 0 and not kept and wq[r]:
+            w = wq[r][0]
             wd = dur[(w // 3) % S][2]
             if mem_blocked or soonest == inf or soonest - t >= theta * wd - EPS:
                 best = w
@@ -313,7 +328,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
             nxt[r][(B, chunk)] += 1
         else:
             live[r] -= size[s]
-            wi[r] += 1
+            wq[r].remove(best)  # the oldest, unless a kept prefix ran another
         wake[r] = free[r] = finish
         heapq.heappush(heap, (finish, r))
         if slot != 2:  # wake the neighbour whose op consumes this output
@@ -327,6 +342,37 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
     if any(len(o) != total for o in out):
         raise Stuck(f"greedy {order}: ranks cannot proceed under cap {P.cap:g}")
     return out
+
+
+RELIST_BACK = 3  # relist() re-plans from after each rank's last chunk-0 F, or up to this many microbatches earlier
+RELIST_WORK = 20_000  # greedy ops one relist() may spend (planning time: 5 calls a plan)
+RELIST_SHARE = 4  # the relisted start's improve() gets 1/RELIST_SHARE of one start's work
+
+
+def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple[Optional[Tuple[float, float, float]], List[List[int]]]:
+    """The cool-down list-scheduled anew under the real costs: each rank keeps `order` up to
+    its chunk-0 F of microbatch m-1-k (k = 0..RELIST_BACK), then a greedy rule runs the rest.
+    Blocks squeezed on unit slots, and local moves, leave W's in the cool-down where they
+    delay the B's and second-chunk F's the other ranks wait for; a list scheduler lets W's
+    fill waits only.  (score, order) of the shortest that fits, `order` itself if none is
+    shorter; at most `work` greedy ops."""
+    best = (P.evaluate(order), order)
+    n = 6 * P.pp * P.m
+    for k in range(min(P.m, RELIST_BACK + 1)):
+        mb = P.m - 1 - k
+        keep = [ops[:ops.index(3 * (mb * P.S + r)) + 1] for r, ops in enumerate(order)]
+        for rule in RULES:
+            work -= n
+            if work < 0:
+                return best
+            try:
+                got = greedy(P, *rule, keep=keep)
+            except Stuck:
+                continue
+            score = P.evaluate(got)
+            if score is not None and best[0] is not None and score[:2] < best[0][:2] and P.fits(got):
+                best = (score, got)
+    return best
 
 
 def _critical(P: Problem, order: List[List[int]]) -> List[Tuple[int, int]]:
@@ -910,8 +956,12 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
+    relisted = []  # squeezed blocks with their cool-down list-scheduled anew: a last start (below)
     for order, how in _squeezed_candidates(P):
         cands.append((P.evaluate(order), 50 + len(cands), order, how))
+        got, better = relist(P, order)
+        if got[:2] < cands[-1][0][:2]:
+            relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -991,6 +1041,20 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if ms < score[0] - EPS:
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
+    if relisted:
+        # The best relisted block, improved with a quarter of one start's share where relax()
+        # did not run (planning time), kept if shorter: a start in its own basin, tried after
+        # the rest so that it never displaces them (each plan is at most as long as without it).
+        got, _, order, why = min(relisted, key=lambda c: (c[0][:2], c[1]))
+        if n_ops > RELAX_OPS:
+            order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1)
+            got = P.evaluate(order)
+        if got[0] < score[0] - EPS:
+            score, best, how = got, order, why + f" + improve ({got[0]:g})"
+    got, again = relist(P, [list(o) for o in best])
+    if got[0] < score[0] - EPS:
+        how += f" + cool-down relisted ({score[0]:g} -> {got[0]:g})"
+        best = again
     return tuple(tuple(o) for o in best), how
 
 

@@ -430,3 +430,33 @@ def test_delay_search_between_v_half_and_v_zb_reaches_what_local_moves_do_not():
     assert "first chunk's backward delayed (36 -> 35)" in s.meta["plan"]
     assert simulate(s).makespan == pytest.approx(35.0, abs=1e-9)
     assert max(simulate(s).peak_vs_1f1b) <= 5 / 6 + 1e-9
+
+
+def test_a_kept_prefix_is_run_exactly_and_the_rest_by_the_rule():
+    # greedy(keep=...) runs each rank's prefix as given: the whole order kept is the order
+    # itself; a shorter prefix is kept and the rest still holds every op once, within the cap.
+    costs = Costs.parse("10,10,8,1").per_stage(2)
+    table = stage_table(costs, 20, None)
+    P = search.Problem(10, 18, costs, table, 13)
+    order = search.greedy(P, *search.RULES[0])
+    for rule in search.RULES:
+        assert search.greedy(P, *rule, keep=order) == order
+    keep = [ops[:len(ops) // 2] for ops in order]
+    for rule in search.RULES:
+        got = search.greedy(P, *rule, keep=keep)
+        assert all(g[:len(k)] == k and sorted(g) == sorted(o) for g, k, o in zip(got, keep, order))
+        assert P.fits(got) and P.evaluate(got) is not None
+
+
+def test_relist_replans_a_squeezed_cool_down_shorter():
+    # Blocks squeezed on unit slots leave W's in the cool-down where they delay the B's other
+    # ranks wait for (pp=10, m=18, 10,10,8,1 at cap 13: the best squeezed block 685); the cool-down
+    # list-scheduled anew under the real costs is shorter, fits, and relist() is deterministic.
+    costs = Costs.parse("10,10,8,1").per_stage(2)
+    table = stage_table(costs, 20, None)
+    P = search.Problem(10, 18, costs, table, 13)
+    order, _ = search._squeezed_candidates(P)[0]
+    score, got = search.relist(P, order)
+    assert score[0] < P.evaluate(order)[0] - 1 and P.fits(got)
+    assert search.relist(P, order) == (score, got)
+    assert search.relist(P, got)[1] is got  # nothing shorter from its own result: kept as is
