@@ -1048,9 +1048,10 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         got, _, order, why = min(relisted, key=lambda c: (c[0][:2], c[1]))
         if n_ops > RELAX_OPS:
             order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1)
+            why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
             got = P.evaluate(order)
         if got[0] < score[0] - EPS:
-            score, best, how = got, order, why + f" + improve ({got[0]:g})"
+            score, best, how = got, order, why
     got, again = relist(P, [list(o) for o in best])
     if got[0] < score[0] - EPS:
         how += f" + cool-down relisted ({score[0]:g} -> {got[0]:g})"
