@@ -35,7 +35,7 @@ candidates and keeps the shortest under the simulator's rules:
     the best order so far, and the best is kept if shorter;
   * last, the cool-down list-scheduled anew (`relist`): each rank keeps its order up to its
     last chunk-0 F (or a few microbatches earlier) and a greedy rule runs the rest under the
-    real costs; first on the squeezed blocks (the best of them, improved on long runs, kept
+    real costs; on long runs first on the squeezed blocks (the best of them improved, kept
     if shorter than the plan so far), then on the plan.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
@@ -941,6 +941,7 @@ def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[st
 def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
     cap = check_budget(name, pp, m, budget, table)
     P = Problem(pp, m, costs, table, cap)
+    n_ops = 6 * pp * m
     cands: List[Tuple[Tuple[float, float], int, List[List[int]], str]] = []
     for k, s in enumerate(_legacy(name, pp, m, costs, cap)):
         order = P.encode(s.ranks)
@@ -959,14 +960,14 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     relisted = []  # squeezed blocks with their cool-down list-scheduled anew: a last start (below)
     for order, how in _squeezed_candidates(P):
         cands.append((P.evaluate(order), 50 + len(cands), order, how))
-        got, better = relist(P, order)
-        if got[:2] < cands[-1][0][:2]:
+        # Not on short runs, where relax() runs: there it shortened no grid plan and cost 0.25 s.
+        got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
+        if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
             cands.append((got, 100 + len(cands), order, how))
-    n_ops = 6 * pp * m
     refits = []
     if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
         for score, order, how in _refit_candidates(P):
@@ -1042,14 +1043,13 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
     if relisted:
-        # The best relisted block, improved with a quarter of one start's share where relax()
-        # did not run (planning time), kept if shorter: a start in its own basin, tried after
-        # the rest so that it never displaces them (each plan is at most as long as without it).
+        # The best relisted block, improved with a quarter of one start's share (planning
+        # time), kept if shorter: a start in its own basin, tried after the rest so that it
+        # never displaces them (each plan is at most as long as without it).
         got, _, order, why = min(relisted, key=lambda c: (c[0][:2], c[1]))
-        if n_ops > RELAX_OPS:
-            order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1)
-            why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
-            got = P.evaluate(order)
+        order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1)
+        why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
+        got = P.evaluate(order)
         if got[0] < score[0] - EPS:
             score, best, how = got, order, why
     got, again = relist(P, [list(o) for o in best])
