@@ -460,3 +460,20 @@ def test_relist_replans_a_squeezed_cool_down_shorter():
     assert score[0] < P.evaluate(order)[0] - 1 and P.fits(got)
     assert search.relist(P, order) == (score, got)
     assert search.relist(P, got)[1] is got  # nothing shorter from its own result: kept as is
+
+
+def test_relist_from_the_last_second_chunk_f_when_microbatches_are_few():
+    # With m close to p the run ends on the last microbatch's backward chain: at pp=11, m=12,
+    # 10,10,2,1, cap 19 the squeezed block (463) kept up to each rank's last chunk-0 F gives no
+    # shorter relisted plan, kept up to a late chunk-1 F it does (450).
+    costs = Costs.parse("10,10,2,1").per_stage(2)
+    table = stage_table(costs, 22, None)
+    P = search.Problem(11, 12, costs, table, 19)
+    order, _ = search._squeezed_candidates(P)[0]
+    before = P.evaluate(order)[0]
+    score, got = search.relist(P, order)
+    assert score[0] <= before - 10 and P.fits(got) and P.evaluate(got) == score
+    def kept_to_chunk_1_f(mb):
+        at = [ops.index(3 * (mb * P.S + P.S - 1 - r)) for r, ops in enumerate(order)]
+        return all(g[:i + 1] == o[:i + 1] for g, o, i in zip(got, order, at))
+    assert any(kept_to_chunk_1_f(11 - k) for k in range(search.RELIST_BACK + 1))
