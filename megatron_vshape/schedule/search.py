@@ -12,8 +12,9 @@ candidates and keeps the shortest under the simulator's rules:
     ever wait for memory that never frees); W's fill waits, or run when memory is needed.
     Which op is most urgent is a priority rule; a fixed family of rules is tried;
   * blocks repeated and squeezed on unit slots (slots.py, `_squeezed_candidates`): the
-    paper's V-Min and V-Half blocks and the uniform-offset family, warm-up and cool-down
-    moved to their earliest free slots under the cap;
+    paper's V-Min and V-Half blocks and the uniform-offset family (the shortest blocks, and
+    in v-auto those of the shortest steady period under the real costs too), warm-up and
+    cool-down moved to their earliest free slots under the cap;
   * with few microbatches (m <= p, short runs), the squeezed and greedy candidates built
     for one stage-activation more, repaired under the cap (`refit`);
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
@@ -34,9 +35,10 @@ candidates and keeps the shortest under the simulator's rules:
     every rank at once (`delayed`), then relaxed back under the cap; each try starts from
     the best order so far, and the best is kept if shorter;
   * last, the cool-down list-scheduled anew (`relist`): each rank keeps its order up to its
-    last chunk-0 F (or a few microbatches earlier) and a greedy rule runs the rest under the
-    real costs; on long runs first on the squeezed blocks (the best of them improved, kept
-    if shorter than the plan so far), then on the plan.
+    last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
+    the real costs; on long runs first on the squeezed blocks (the best of them improved,
+    kept if shorter than the plan so far; in v-auto then the best of the shortest-period
+    blocks likewise), then on the plan.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -798,6 +800,8 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
 
 BLOCK_OPS = 16_000  # ops squeezed for the uniform-offset blocks of one problem: bounds CPU time
 STRETCHED = 4  # squeezed candidates carried to full length
+PERIOD_OPS = BLOCK_OPS // 2  # the same for the blocks of the shortest real-cost periods (a last start)
+PERIOD_STRETCHED = 2
 WHOLE_OPS = 3000  # runs of up to this many ops are squeezed at full length
 
 
@@ -806,25 +810,52 @@ def _uniform_blocks(pp: int):
     return slots.uniform_blocks(pp)
 
 
-def _squeezed_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
-    """Blocks repeated and squeezed on unit slots (slots.py): the paper's V-Min and V-Half
-    blocks, then the uniform-offset blocks that use the most memory the cap allows (the
-    steady state's bubble falls as blocks hold more), shortest first, within BLOCK_OPS
-    squeezed ops.  All are squeezed on the same few microbatches and compared there; the
-    best STRETCHED are carried to the full run."""
-    blocks = [(f"paper's {kind} block", slots.paper_pattern(P.pp, kind)) for kind in ("min", "half")]
+def _top_blocks(P: Problem, by_period: bool) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]]]:
+    """The uniform-offset blocks that use the most memory the cap allows (the steady state's
+    bubble falls as blocks hold more), shortest first, within BLOCK_OPS squeezed ops; and
+    with `by_period`, those with the shortest steady period under the real costs
+    (slots.steady_period, on as many microbatches as squeezing them takes; ties shortest
+    first) that the first list leaves out, within PERIOD_OPS."""
     peaks = [(slots.steady_peak(P, b), max(max(r) for r in b), b) for b in _uniform_blocks(P.pp)]
-    fitting = [x for x in peaks if x[0] <= P.cap + EPS]
-    top = max((x[0] for x in fitting), default=0.0)
-    work = BLOCK_OPS
-    for _, _, block in sorted(x for x in fitting if x[0] >= top - EPS):
-        work -= 6 * P.S * min(P.m, slots.small_m(block))
-        if work < 0:
-            break
-        blocks.append((f"uniform block {block[0]}/{block[1]}", block))
+    top = max((x[0] for x in peaks if x[0] <= P.cap + EPS), default=0.0)
+    fitting = sorted((n, b) for peak, n, b in peaks if top - EPS <= peak <= P.cap + EPS)
+
+    def within(ranked, work):
+        out = []
+        for _, block in ranked:
+            work -= 6 * P.S * min(P.m, slots.small_m(block))
+            if work < 0:
+                break
+            out.append((f"uniform block {block[0]}/{block[1]}", block))
+        return out
+    shortest = within(fitting, BLOCK_OPS)
+    if not by_period or not fitting:
+        return shortest, []
+    m_r = min(P.m, max(slots.small_m(b) for _, b in fitting))
+    R = P if m_r == P.m else Problem(P.pp, m_r, P.costs, P.table, P.cap)
+    taken = {b for _, b in shortest}
+    rest = sorted((slots.steady_period(R, b), n, b) for n, b in fitting if b not in taken)
+    period = {b: t for t, _, b in rest}
+    return shortest, [(f"{name} (period {period[b]:g})", b) for name, b in within([(n, b) for _, n, b in rest], PERIOD_OPS)]
+
+
+def _paper_blocks(pp: int) -> List[Tuple[str, slots.Block]]:
+    return [(f"paper's {kind} block", slots.paper_pattern(pp, kind)) for kind in ("min", "half")]
+
+
+def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.Block]]] = None,
+                         carried: int = STRETCHED, whole: bool = True) -> List[Tuple[List[List[int]], str]]:
+    """`blocks` (by default the paper's V-Min and V-Half blocks and the shortest of
+    _top_blocks) repeated and squeezed on unit slots (slots.py), all on the same few
+    microbatches and compared there (with `whole`, on all of a short run); the best
+    `carried` are stretched to the full run."""
+    if blocks is None:
+        blocks = _paper_blocks(P.pp) + _top_blocks(P, False)[0]
+    if not blocks:
+        return []
     m_q = min(P.m, max(slots.small_m(b) for _, b in blocks))
-    if m_q == P.m or 6 * P.pp * P.m <= WHOLE_OPS:  # short runs: squeeze them whole (modes that
-        Q = P  # reshuffle the steady phase too are kept)
+    if m_q == P.m or (whole and 6 * P.pp * P.m <= WHOLE_OPS):  # short runs: squeeze them whole
+        Q = P  # (modes that reshuffle the steady phase too are kept)
     else:
         Q = Problem(P.pp, m_q, P.costs, P.table, P.cap)
     found = []
@@ -840,7 +871,7 @@ def _squeezed_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
         order = slots.stretched(P, Q, block, at_q, lazy_w)
         if order is not None:
             out.append((order, how))
-            if len(out) == STRETCHED:
+            if len(out) == carried:
                 break
     return out
 
@@ -961,13 +992,23 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
-    relisted = []  # squeezed blocks with their cool-down list-scheduled anew: a last start (below)
-    for order, how in _squeezed_candidates(P):
+    # Squeezed blocks: the paper's, then the shortest at the cap.  On runs over RELAX_OPS ops
+    # (not on short ones, where relax() runs: there these shortened no grid plan and cost
+    # 0.25 s) each is relisted too, a start tried last (below).  In v-auto's own plans the
+    # blocks of the shortest real-cost periods, relisted, are one more start, tried after
+    # that one (in the named plans they shortened no grid row: their caps are the ones the
+    # paper's blocks were built for).
+    shortest, periodic = _top_blocks(P, by_period=n_ops > RELAX_OPS and name not in dict(NAMED_BUDGETS))
+    relisted = []
+    for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + shortest):
         cands.append((P.evaluate(order), 50 + len(cands), order, how))
-        # Not on short runs, where relax() runs: there it shortened no grid plan and cost 0.25 s.
         got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
         if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
+    by_period = []
+    for order, how in _squeezed_candidates(P, periodic, PERIOD_STRETCHED, whole=False):
+        got, better = relist(P, order)
+        by_period.append((got, len(by_period), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -1046,12 +1087,15 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if ms < score[0] - EPS:
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
-    if relisted:
-        # The best relisted block, improved with a quarter of one start's share (planning
-        # time), kept if shorter: a start in its own basin, tried after the rest so that it
-        # never displaces them (each plan is at most as long as without it).
-        got, _, order, why = min(relisted, key=lambda c: (c[0][:2], c[1]))
-        order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1)
+    for k, late in enumerate((relisted, by_period)):
+        if not late:
+            continue
+        # The best relisted block, then the best of the shortest periods, each improved with a
+        # quarter of one start's share (planning time), kept if shorter: starts in their own
+        # basins, tried after the rest so that they never displace them (each plan is at most
+        # as long as without them).
+        got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
+        order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1 + k)
         why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
         got = P.evaluate(order)
         if got[0] < score[0] - EPS:

@@ -86,6 +86,22 @@ def steady_peak(P, block: Block) -> float:
     return top
 
 
+def steady_period(P, block: Block) -> float:
+    """The time one more microbatch adds once `block` repeats, under P's real costs: the eager
+    run of the repeated order (not squeezed), from microbatch m/3 to 2m/3, at rank 0's last op
+    of each (inf if the order deadlocks; 0 with too few microbatches to tell).  Slot lengths
+    count every pass as one slot: with unequal F, B and W the shortest blocks can leave a
+    bubble in every period that a longer one avoids."""
+    at = repeat(P, block)
+    k1, k2 = P.m // 3, 2 * P.m // 3
+    if at is None or k2 <= k1:
+        return 0.0
+    end = P.blank()
+    if P.run(orders(P, at), float("inf"), end, [0] * P.pp, [0.0] * P.pp) is None:
+        return float("inf")
+    return (end[3 * k2 * P.S + 1] - end[3 * k1 * P.S + 1]) / (k2 - k1)
+
+
 def _w_after(b: int, taken: set) -> int:
     w = next(b + k for k in range(1, PERIOD + 1) if (b + k) % PERIOD not in taken)
     taken.add(w % PERIOD)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from megatron_vshape import cli
-from megatron_vshape.schedule import registry, search, vshape
+from megatron_vshape.schedule import registry, search, slots, vshape
 from megatron_vshape.schedule.choose import fastest_within
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.frontier import frontier
@@ -477,3 +477,30 @@ def test_relist_from_the_last_second_chunk_f_when_microbatches_are_few():
         at = [ops.index(3 * (mb * P.S + P.S - 1 - r)) for r, ops in enumerate(order)]
         return all(g[:i + 1] == o[:i + 1] for g, o, i in zip(got, order, at))
     assert any(kept_to_chunk_1_f(11 - k) for k in range(search.RELIST_BACK + 1))
+
+
+def test_steady_period_counts_the_real_costs_not_the_slots():
+    # pp=9, costs 6,12,8,1 (per stage F=3, B=6, W=4), cap 14: a rank's two stages take 26 per
+    # microbatch, so no block repeats faster; the shortest blocks at the cap (what slot lengths
+    # rank first) leave a bubble in every period, and some longer block leaves none.
+    costs = Costs.parse("6,12,8,1").per_stage(2)
+    table = stage_table(costs, 18, None)
+    P = search.Problem(9, 20, costs, table, 14)
+    shortest, periodic = search._top_blocks(P, by_period=True)
+    work = sum(sum(c[:3]) for c in P.dur[:1] + P.dur[-1:])
+    assert work == pytest.approx(26.0)
+    periods = {b: slots.steady_period(P, b) for _, b in shortest + periodic}
+    assert all(t >= work - 1e-9 for t in periods.values())
+    assert periods[shortest[0][1]] > work + 1
+    assert periods[periodic[0][1]] == pytest.approx(work)
+    assert not {b for _, b in shortest} & {b for _, b in periodic}
+
+
+def test_v_auto_starts_from_the_shortest_real_cost_period_too():
+    # The same costs at m=44, cap 14 of 18: the shortest blocks' plan was 1307 (the paper's
+    # adaptive scheduler, replayed by our simulator: 1283); the block without a bubble per period
+    # gives a shorter one.
+    s = registry.build("v-auto", 9, 44, Costs.parse("6,12,8,1"), memory_budget=14 / 18)
+    assert "(period 26)" in s.meta["plan"]
+    assert simulate(s).makespan <= 1283
+    assert max(simulate(s).peak_vs_1f1b) <= 14 / 18 + 1e-9
