@@ -1087,23 +1087,30 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if ms < score[0] - EPS:
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
+    finalists = []
     for k, late in enumerate((relisted, by_period)):
         if not late:
             continue
         # The best relisted block, then the best of the shortest periods, each improved with a
         # quarter of one start's share (planning time), kept if shorter: starts in their own
-        # basins, tried after the rest so that they never displace them (each plan is at most
-        # as long as without them).
+        # basins, tried after the rest so that they never displace them.
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
         order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1 + k)
         why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
         got = P.evaluate(order)
         if got[0] < score[0] - EPS:
+            finalists.append((score, best, how))
             score, best, how = got, order, why
-    got, again = relist(P, [list(o) for o in best])
-    if got[0] < score[0] - EPS:
-        how += f" + cool-down relisted ({score[0]:g} -> {got[0]:g})"
-        best = again
+    # The plan is relisted last, and so is each plan a late start displaced (it may relist
+    # shorter): each plan is at most as long as without the late starts.
+    ends = []
+    for k, (was, order, why) in enumerate(finalists + [(score, best, how)]):
+        got, again = relist(P, [list(o) for o in order])
+        if got[0] < was[0] - EPS:
+            ends.append((got[0], -k, again, why + f" + cool-down relisted ({was[0]:g} -> {got[0]:g})"))
+        else:
+            ends.append((was[0], -k, order, why))
+    _, _, best, how = min(ends, key=lambda e: e[:2])
     return tuple(tuple(o) for o in best), how
 
 
