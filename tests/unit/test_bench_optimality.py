@@ -67,3 +67,16 @@ def test_costs_option_chooses_the_cost_sets(tmp_path):
     assert all(r["status"] == "optimal" and 0 <= float(r["gap"]) <= 0.02 for r in rows)
     with pytest.raises(SystemExit):
         bench.main(["--pp", "2", "--costs", "1,x,1"])
+
+
+def test_budgets_option_plans_at_those_budgets_only(tmp_path, capsys):
+    bench = _bench()
+    out = tmp_path / "opt.csv"
+    assert bench.main(["--pp", "2", "--microbatches", "3", "--costs", "1,1,1,0", "--budgets", "1.5",
+                       "--time-limit", "60", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [(float(r["budget"]), int(r["cap"])) for r in rows] == [(1.5, 6)]
+    assert "solver's best, all" in capsys.readouterr().out
+    for bad in ("0.3", "2.5", "x"):
+        with pytest.raises(SystemExit):
+            bench.main(["--pp", "2", "--budgets", bad])
