@@ -4,7 +4,7 @@ constructions, within the budget on every rank, deterministic, and the issue's f
 Figures are bubble rates of one synchronous iteration (DESIGN.md), costs as users give them.
 Where the search does not reach the official scheduler's figure yet, the test pins that it
 is no worse than the block constructions (vshape.legacy_search, today's generator) and says
-the official figure in a comment; see the README's planner section for the gaps."""
+the official figure in a comment; see docs/planner.md for the gaps."""
 import json
 import math
 import random
