@@ -230,29 +230,57 @@ RULES: Tuple[Tuple[str, float, str], ...] = tuple(
 )
 
 
+class _Listed:
+    """greedy()'s state part way through a run: each op's end, each rank's next microbatch
+    per pass, waiting W's, live and reserved activations, its order so far, free and wake
+    times, and the event heap."""
+
+    def __init__(self, P: Problem):
+        pp = P.pp
+        self.end = [-1.0] * (3 * P.m * P.S) + [0.0]  # P's layout: the sentinel input, done at 0
+        self.nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
+        self.wq: List[List[int]] = [[] for _ in range(pp)]  # W's whose B ran, oldest B first
+        self.live = [0.0] * pp
+        self.pending = [0.0] * pp  # sizes reserved for second-chunk F's of microbatches already in
+        self.out: List[List[int]] = [[] for _ in range(pp)]
+        self.free, self.wake, self.done_fb = [0.0] * pp, [0.0] * pp, [0] * pp
+        self.heap = [(0.0, r) for r in range(pp)]
+
+    def copy(self) -> "_Listed":
+        new = object.__new__(_Listed)
+        new.end, new.live, new.pending = self.end[:], self.live[:], self.pending[:]
+        new.nxt = [dict(x) for x in self.nxt]
+        new.wq, new.out = [w[:] for w in self.wq], [o[:] for o in self.out]
+        new.free, new.wake, new.done_fb, new.heap = self.free[:], self.wake[:], self.done_fb[:], self.heap[:]
+        return new
+
+
+def kept_prefix(P: Problem, keep: Sequence[Sequence[int]]) -> _Listed:
+    """greedy()'s state with `keep`, up to the first moment a rank would apply the rule: the
+    same for every rule, so greedy(..., keep=keep, start=kept_prefix(P, keep)) gives what
+    greedy(..., keep=keep) gives, without running the shared part again."""
+    return greedy(P, "", 0.0, keep=keep, pause=True)
+
+
 def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
            follow: Optional[Sequence[Sequence[int]]] = None,
-           keep: Optional[Sequence[Sequence[int]]] = None) -> List[List[int]]:
+           keep: Optional[Sequence[Sequence[int]]] = None, start: Optional[_Listed] = None,
+           pause: bool = False):
     """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
     can never proceed (only when the cap cannot hold one microbatch's two stages).  With
     `follow`, each rank runs that order's F's and B's in that order instead, and only the
     W's are placed anew by the rule (into waits, or where memory needs them).  With `keep`,
-    each rank first runs its prefix keep[r] exactly (it must fit the cap), then the rule."""
+    each rank first runs its prefix keep[r] exactly (it must fit the cap), then the rule;
+    `start` resumes from a copy of kept_prefix()'s state for that `keep`, and `pause` (what
+    kept_prefix() asks) returns the state at the first decision the rule would make."""
     pp, S, m, cap, size, dur = P.pp, P.S, P.m, P.cap + EPS, P.size, P.dur
     rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
     prefs = [(k[0], int(k[1])) for k in order.split()]
     fb = None if follow is None else [[o for o in ops if o % 3 != 2] for ops in follow]
-    done_fb = [0] * pp
-    end = [-1.0] * (3 * m * S) + [0.0]  # P's layout: the sentinel input, done at 0
+    state = _Listed(P) if start is None else start.copy()
+    end, nxt, wq, live, pending, out = state.end, state.nxt, state.wq, state.live, state.pending, state.out
+    free, wake, done_fb, heap = state.free, state.wake, state.done_fb, state.heap
     in1, in2, hop1, hop2 = P.in1, P.in2, P.hop1, P.hop2
-    nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
-    wq: List[List[int]] = [[] for _ in range(pp)]  # W's whose B ran, oldest B first
-    live = [0.0] * pp
-    pending = [0.0] * pp  # sizes reserved for second-chunk F's of microbatches already in
-    out: List[List[int]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
-    wake = [0.0] * pp
-    heap = [(0.0, r) for r in range(pp)]
     stages = [(r, S - 1 - r) for r in range(pp)]
     total = 6 * m
     inf = math.inf
@@ -263,6 +291,9 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         s0, s1 = stages[r]
         best, soonest, mem_blocked = -1, inf, False
         kept = keep is not None and len(out[r]) < len(keep[r])
+        if pause and not kept:
+            heapq.heappush(heap, (t, r))  # this rank decides by the rule from here
+            return state
         if kept:
             o = keep[r][len(out[r])]
             a, b = end[in1[o]], end[in2[o]]
@@ -341,6 +372,8 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                 if at < wake[q]:
                     wake[q] = at
                     heapq.heappush(heap, (at, q))
+    if pause:
+        return state
     if any(len(o) != total for o in out):
         raise Stuck(f"greedy {order}: ranks cannot proceed under cap {P.cap:g}")
     return out
@@ -367,12 +400,14 @@ def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple
         for k in range(min(P.m, RELIST_BACK + 1)):
             mb = P.m - 1 - k
             keep = [ops[:ops.index(3 * (mb * P.S + (P.S - 1 - r if chunk else r))) + 1] for r, ops in enumerate(order)]
+            shared = None
             for rule in RELIST_RULES:
                 work -= n
                 if work < 0:
                     return best
                 try:
-                    got = greedy(P, *rule, keep=keep)
+                    shared = shared or kept_prefix(P, keep)
+                    got = greedy(P, *rule, keep=keep, start=shared)
                 except Stuck:
                     continue
                 score = P.evaluate(got)

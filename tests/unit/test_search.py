@@ -448,6 +448,22 @@ def test_a_kept_prefix_is_run_exactly_and_the_rest_by_the_rule():
         assert P.fits(got) and P.evaluate(got) is not None
 
 
+def test_every_rule_resumes_from_one_shared_kept_prefix():
+    # relist() runs each keep point's prefix once (kept_prefix) and every rule from a copy of
+    # it: the same orders as runs from scratch, and a resumed run leaves the shared state as
+    # it was, whatever ran from it before.
+    costs = Costs.parse("10,10,8,1").per_stage(2)
+    table = stage_table(costs, 20, None)
+    P = search.Problem(10, 18, costs, table, 13)
+    order, _ = search._squeezed_candidates(P)[0]
+    for cut in (0.2, 0.6, 0.9, 1.0):
+        keep = [ops[:int(len(ops) * cut)] for ops in order]
+        shared = search.kept_prefix(P, keep)
+        assert any(len(o) < len(k) for o, k in zip(shared.out, keep)) == (cut < 1.0)
+        for rule in search.RULES + search.RULES[:2]:
+            assert search.greedy(P, *rule, keep=keep, start=shared) == search.greedy(P, *rule, keep=keep)
+
+
 def test_relist_replans_a_squeezed_cool_down_shorter():
     # Blocks squeezed on unit slots leave W's in the cool-down where they delay the B's other
     # ranks wait for (pp=10, m=18, 10,10,8,1 at cap 13: the best squeezed block 685); the cool-down
