@@ -56,7 +56,7 @@ import math
 import random
 from functools import lru_cache
 from itertools import accumulate
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import slots
 from .blocks import EPS, Stuck
@@ -265,7 +265,7 @@ def kept_prefix(P: Problem, keep: Sequence[Sequence[int]]) -> _Listed:
 def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
            follow: Optional[Sequence[Sequence[int]]] = None,
            keep: Optional[Sequence[Sequence[int]]] = None, start: Optional[_Listed] = None,
-           pause: bool = False):
+           pause: bool = False) -> Union[List[List[int]], _Listed]:
     """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
     can never proceed (only when the cap cannot hold one microbatch's two stages).  With
     `follow`, each rank runs that order's F's and B's in that order instead, and only the
