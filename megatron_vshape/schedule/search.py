@@ -380,7 +380,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
 
 
 RELIST_BACK = 3  # relist() re-plans from after each rank's last F of a chunk, or up to this many microbatches earlier
-RELIST_WORK = 20_000  # greedy ops one relist() may spend (planning time: 5 calls a plan)
+RELIST_WORK = 20_000  # greedy ops one relist() may spend, counting its shared kept prefix each time (a plan relists up to a dozen orders)
 RELIST_RULES = tuple(rule for rule in RULES if rule[2] == "one")  # "all" won 2 of 290 relists (40 random points)
 RELIST_SHARE = 4  # the relisted start's improve() gets 1/RELIST_SHARE of one start's work
 
