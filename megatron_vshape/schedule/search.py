@@ -238,7 +238,7 @@ class _Listed:
     def __init__(self, P: Problem):
         pp = P.pp
         self.end = [-1.0] * (3 * P.m * P.S) + [0.0]  # P's layout: the sentinel input, done at 0
-        self.nxt = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(pp)]
+        self.nxt = [[0, 0, 0, 0] for _ in range(pp)]  # per rank: F of chunk 0, F of chunk 1, B of chunk 0, B of chunk 1
         self.wq: List[List[int]] = [[] for _ in range(pp)]  # W's whose B ran, oldest B first
         self.live = [0.0] * pp
         self.pending = [0.0] * pp  # sizes reserved for second-chunk F's of microbatches already in
@@ -249,7 +249,7 @@ class _Listed:
     def copy(self) -> "_Listed":
         new = object.__new__(_Listed)
         new.end, new.live, new.pending = self.end[:], self.live[:], self.pending[:]
-        new.nxt = [dict(x) for x in self.nxt]
+        new.nxt = [x[:] for x in self.nxt]
         new.wq, new.out = [w[:] for w in self.wq], [o[:] for o in self.out]
         new.free, new.wake, new.done_fb, new.heap = self.free[:], self.wake[:], self.done_fb[:], self.heap[:]
         return new
@@ -273,15 +273,18 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
     each rank first runs its prefix keep[r] exactly (it must fit the cap), then the rule;
     `start` resumes from a copy of kept_prefix()'s state for that `keep`, and `pause` (what
     kept_prefix() asks) returns the state at the first decision the rule would make."""
-    pp, S, m, cap, size, dur = P.pp, P.S, P.m, P.cap + EPS, P.size, P.dur
+    pp, S, m, cap, size, span = P.pp, P.S, P.m, P.cap + EPS, P.size, P.span
     rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
-    prefs = [(k[0], int(k[1])) for k in order.split()]
     fb = None if follow is None else [[o for o in ops if o % 3 != 2] for ops in follow]
     state = _Listed(P) if start is None else start.copy()
     end, nxt, wq, live, pending, out = state.end, state.nxt, state.wq, state.live, state.pending, state.out
     free, wake, done_fb, heap = state.free, state.wake, state.done_fb, state.heap
     in1, in2, hop1, hop2 = P.in1, P.in2, P.hop1, P.hop2
     stages = [(r, S - 1 - r) for r in range(pp)]
+    # Per rank, the rule's preferences in order: (index into nxt, stage, slot, chunk).
+    prefs = [(k[0] == B) * 2 + int(k[1]) for k in order.split()]
+    choices = [[(i, s1 if i % 2 else s0, i // 2, i % 2) for i in prefs] for s0, s1 in stages]
+    reserving = reserve == "all"
     total = 6 * m
     inf = math.inf
     while heap:
@@ -294,51 +297,61 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         if pause and not kept:
             heapq.heappush(heap, (t, r))  # this rank decides by the rule from here
             return state
+        due = t + EPS
         if kept:
             o = keep[r][len(out[r])]
             a, b = end[in1[o]], end[in2[o]]
             ready = inf if a < 0 or b < 0 else max(a + hop1[o], b + hop2[o])
-            if ready <= t + EPS:
+            if ready <= due:
                 best = o
-            ops = []
             soonest = ready
         elif fb is None:
-            ops = [3 * (nxt[r][(kind, chunk)] * S + (s1 if chunk else s0)) + (kind == B)
-                   for kind, chunk in prefs if nxt[r][(kind, chunk)] < m]
-        else:
-            ops = fb[r][done_fb[r]:done_fb[r] + 1]
-        for o in ops:
-            s = (o // 3) % S
-            kind, chunk = (F if o % 3 == 0 else B), int(s != s0)
-            if kind == F:
-                if fb is not None:
-                    need = size[s]
-                elif chunk == 0:
-                    need = size[s0] + (pending[r] if reserve == "all" else 0.0) + size[s1]
+            nx, lr = nxt[r], live[r]
+            for i, s, slot, chunk in choices[r]:
+                j = nx[i]
+                if j >= m:
+                    continue
+                o = 3 * (j * S + s) + slot
+                if slot == 0:
+                    if s:
+                        e = end[o - 3]
+                        ready = inf if e < 0 else e + f_hop[s]
+                    else:
+                        ready = 0.0
+                    need = size[s1] if chunk else size[s0] + (pending[r] if reserving else 0.0) + size[s1]
+                    if lr + need > cap:
+                        if ready <= due:
+                            mem_blocked = True
+                        continue
                 else:
-                    need = size[s1]
-                e = 0.0 if s == 0 else end[o - 3]
-                ready = inf if e < 0 else (e + (f_hop[s] if s else 0.0))
-                if live[r] + need > cap:
-                    if ready <= t + EPS:
-                        mem_blocked = True
-                    continue
-            else:
-                e = end[o - 1]
-                if e < 0:
-                    continue
-                ready = e
-                if s < S - 1:
-                    e2 = end[o + 3]
-                    ready = inf if e2 < 0 else max(ready, e2 + b_hop[s])
-            if ready <= t + EPS:
+                    ready = end[o - 1]
+                    if ready < 0:
+                        continue
+                    if s < S - 1:
+                        e = end[o + 3]
+                        if e < 0:
+                            ready = inf
+                        elif e + b_hop[s] > ready:
+                            ready = e + b_hop[s]
+                if ready <= due:
+                    best = o
+                    break
+                if ready < soonest:
+                    soonest = ready
+        elif done_fb[r] < len(fb[r]):
+            o = fb[r][done_fb[r]]
+            a, b = end[in1[o]], end[in2[o]]
+            ready = inf if a < 0 or b < 0 else max(a + hop1[o], b + hop2[o])
+            if o % 3 == 0 and live[r] + size[(o // 3) % S] > cap:
+                if ready <= due:
+                    mem_blocked = True
+            elif ready <= due:
                 best = o
-                break
-            soonest = min(soonest, ready)
+            else:
+                soonest = ready
         if best < 0 and not kept and wq[r]:
             w = wq[r][0]
-            wd = dur[(w // 3) % S][2]
-            if mem_blocked or soonest == inf or soonest - t >= theta * wd - EPS:
+            if mem_blocked or soonest == inf or soonest - t >= theta * span[w] - EPS:
                 best = w
         if best < 0:
             wake[r] = soonest
@@ -347,7 +360,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
             continue
         slot, s = best % 3, (best // 3) % S
         chunk = 0 if s == s0 else 1
-        finish = t + dur[s][slot]
+        finish = t + span[best]
         end[best] = finish
         out[r].append(best)
         if slot != 2:
@@ -355,10 +368,10 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         if slot == 0:
             live[r] += size[s]
             pending[r] += size[s1] if chunk == 0 else -size[s1]
-            nxt[r][(F, chunk)] += 1
+            nxt[r][chunk] += 1
         elif slot == 1:
             wq[r].append(best + 1)
-            nxt[r][(B, chunk)] += 1
+            nxt[r][2 + chunk] += 1
         else:
             live[r] -= size[s]
             wq[r].remove(best)  # the oldest, unless a kept prefix ran another
