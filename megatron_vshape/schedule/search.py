@@ -89,6 +89,7 @@ class Problem:
         self.f_hop = [inf] + [C if self.rank[s - 1] != self.rank[s] else 0.0 for s in range(1, S)]
         self.b_hop = [C if self.rank[s + 1] != self.rank[s] else 0.0 for s in range(S - 1)] + [inf]
         self.sweep = list(range(pp)) + list(range(pp - 2, 0, -1))  # run()'s rank order: down and back up
+        self.op_rank = [self.rank[(o // 3) % S] for o in range(3 * m * S)]
         # run()'s tables, from inputs(): each op's two inputs (the sentinel n, done at 0, where
         # it has fewer), the hops after them, and its duration.
         n = self.n = 3 * m * S

@@ -16,6 +16,7 @@ improves it.  Op ids are search.Problem's integers.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 from .blocks import EPS
@@ -163,9 +164,7 @@ class _Grid:
                 size = P.size[(o // 3) % P.S]
                 self.live[r][t] += size
                 self.live[r][at[o + 2] + 1] -= size
-        for row in self.live:
-            for u in range(1, n):
-                row[u] += row[u - 1]
+        self.live = [list(accumulate(row)) for row in self.live]
 
     def move_earlier(self, o: int, lo: int, cap: float) -> None:
         """Take the earliest free slot in [lo, now) that keeps the rank within `cap`."""
@@ -173,14 +172,17 @@ class _Grid:
         s, slot = (o // 3) % P.S, o % 3
         r, old = P.rank[s], at[o]
         occ, live, size = self.occ[r], self.live[r], P.size[s]
-        best, top = old, 0.0
-        for t in range(old - 1, lo - 1, -1):
-            if slot == 0:
-                top = max(top, live[t])
-                if top + size > cap + EPS:
+        if slot == 0:  # downwards, while the F's activation fits in every slot it would add to
+            best, top, over = old, 0.0, cap + EPS
+            for t in range(old - 1, lo - 1, -1):
+                if live[t] > top:
+                    top = live[t]
+                if top + size > over:
                     break
-            if occ[t] < 0:
-                best = t
+                if occ[t] < 0:
+                    best = t
+        else:
+            best = next((t for t in range(lo, old) if occ[t] < 0), old)
         if best == old:
             return
         if occ[old] == o:
@@ -197,7 +199,8 @@ class _Grid:
     def squeeze(self, which, cap: float) -> None:
         """Move the ops `which(o)` selects earliest first, each as early as it may go."""
         P, at = self.P, self.at
-        for o in sorted(range(len(at)), key=lambda o: (at[o], P.rank[(o // 3) % P.S])):
+        op_rank = P.op_rank
+        for o in sorted(range(len(at)), key=lambda o: (at[o], op_rank[o])):
             if which(o):
                 self.move_earlier(o, max(_inputs(P, at, o), default=0), cap)
 
@@ -219,8 +222,9 @@ class _Grid:
 def orders(P, at: Sequence[int]) -> List[List[int]]:
     """Each rank's ops in slot order."""
     out: List[List[int]] = [[] for _ in range(P.pp)]
-    for o in sorted(range(len(at)), key=lambda o: at[o]):
-        out[P.rank[(o // 3) % P.S]].append(o)
+    op_rank = P.op_rank
+    for o in sorted(range(len(at)), key=at.__getitem__):
+        out[op_rank[o]].append(o)
     return out
 
 
