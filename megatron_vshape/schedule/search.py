@@ -56,6 +56,7 @@ import math
 import random
 from functools import lru_cache
 from itertools import accumulate
+from types import SimpleNamespace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import slots
@@ -288,21 +289,28 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
     reserving = reserve == "all"
     total = 6 * m
     inf = math.inf
+    kept_len = [0] * pp if keep is None else [len(k) for k in keep]
     while heap:
         t, r = heapq.heappop(heap)
-        if t != wake[r] or len(out[r]) == total:
+        done = len(out[r])
+        if t != wake[r] or done == total:
             continue
         s0, s1 = stages[r]
         best, soonest, mem_blocked = -1, inf, False
-        kept = keep is not None and len(out[r]) < len(keep[r])
+        kept = done < kept_len[r]
         if pause and not kept:
             heapq.heappush(heap, (t, r))  # this rank decides by the rule from here
             return state
         due = t + EPS
         if kept:
-            o = keep[r][len(out[r])]
+            o = keep[r][done]
             a, b = end[in1[o]], end[in2[o]]
-            ready = inf if a < 0 or b < 0 else max(a + hop1[o], b + hop2[o])
+            if a < 0 or b < 0:
+                ready = inf
+            else:
+                a += hop1[o]
+                b += hop2[o]
+                ready = a if a >= b else b
             if ready <= due:
                 best = o
             soonest = ready
@@ -433,31 +441,12 @@ def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple
 def _critical(P: Problem, order: List[List[int]]) -> List[Tuple[int, int]]:
     """(rank, index) of ops on a critical path that wait for their rank, not their input:
     moving one of them earlier is what can shorten the run."""
-    S, pp, dur = P.S, P.pp, P.dur
-    # Re-run eagerly with start times and positions.
-    end = [-1.0] * (3 * P.m * S)
-    where = {}
-    pos, free = [0] * pp, [0.0] * pp
-    lens = [len(o) for o in order]
-    moved = True
-    while moved:
-        moved = False
-        for r in range(pp):
-            ops = order[r]
-            while pos[r] < lens[r]:
-                o, i = ops[pos[r]], pos[r]
-                slot, s = o % 3, (o // 3) % S
-                t, deps = free[r], P.inputs(o)
-                if any(end[d] < 0 for d, _ in deps):
-                    break
-                t = max([t] + [end[d] + h for d, h in deps])
-                end[o] = t + dur[s][slot]
-                where[o] = (r, i)
-                free[r] = end[o]
-                pos[r] += 1
-                moved = True
-    r = max(range(pp), key=lambda q: free[q])
-    i = lens[r] - 1
+    S, dur = P.S, P.dur
+    end, free = P.blank(), [0.0] * P.pp
+    P.run(order, math.inf, end, [0] * P.pp, free)  # the eager run: end times, each rank's finish
+    where = {o: (r, i) for r, ops in enumerate(order) for i, o in enumerate(ops)}
+    r = max(range(P.pp), key=free.__getitem__)
+    i = len(order[r]) - 1
     path = []
     while i >= 0:
         o = order[r][i]
@@ -859,13 +848,21 @@ def _uniform_blocks(pp: int):
     return slots.uniform_blocks(pp)
 
 
+@lru_cache(maxsize=64)
+def _steady_peaks(pp: int, sizes: Tuple[float, ...]) -> Tuple[float, ...]:
+    """slots.steady_peak of every uniform block for these stage sizes (a v-auto plan and the
+    named plan it includes ask for the same ones)."""
+    view = SimpleNamespace(S=2 * pp, size=sizes)
+    return tuple(slots.steady_peak(view, b) for b in _uniform_blocks(pp))
+
+
 def _top_blocks(P: Problem, by_period: bool) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]]]:
     """The uniform-offset blocks that use the most memory the cap allows (the steady state's
     bubble falls as blocks hold more), shortest first, within BLOCK_OPS squeezed ops; and
     with `by_period`, those with the shortest steady period under the real costs
     (slots.steady_period, on as many microbatches as squeezing them takes; ties shortest
     first) that the first list leaves out, within PERIOD_OPS."""
-    peaks = [(slots.steady_peak(P, b), max(max(r) for r in b), b) for b in _uniform_blocks(P.pp)]
+    peaks = [(peak, max(max(r) for r in b), b) for peak, b in zip(_steady_peaks(P.pp, tuple(P.size)), _uniform_blocks(P.pp))]
     top = max((x[0] for x in peaks if x[0] <= P.cap + EPS), default=0.0)
     fitting = sorted((n, b) for peak, n, b in peaks if top - EPS <= peak <= P.cap + EPS)
 
