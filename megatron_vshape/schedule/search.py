@@ -131,9 +131,15 @@ class Problem:
         o, kinds, in1, in2 = ops[i], 3 * self.S, self.in1, self.in2
         kind = o % kinds
         if j < i:
-            passed = ops[j:i]
-            return in1[o] in passed or in2[o] in passed or any(x % kinds == kind and x < o for x in passed)
-        return any(x % kinds == kind and x > o or in1[x] == o or in2[x] == o for x in ops[i + 1:j + 1])
+            a, b = in1[o], in2[o]
+            for x in ops[j:i]:
+                if x == a or x == b or (x < o and x % kinds == kind):
+                    return True
+            return False
+        for x in ops[i + 1:j + 1]:
+            if (x > o and x % kinds == kind) or in1[x] == o or in2[x] == o:
+                return True
+        return False
 
     def encode(self, ranks: Sequence[Sequence[Op]]) -> List[List[int]]:
         slot = {F: 0, B: 1, W: 2}
@@ -604,11 +610,12 @@ def _area_after(P: Problem, old: List[int], new: List[int], lo: int, live: List[
     hi, over, n = lo, P.cap + EPS, len(new)
     while hi < n and new[hi] != old[hi]:
         hi += 1
-    if any(live[k] > over and old[k] % 3 == 0 for k in range(lo, hi)):
-        return _overflow_area(P, new)
-    now = live[lo - 1] if lo else 0.0
+    for k in range(lo, hi):
+        if live[k] > over and old[k] % 3 == 0:
+            return _overflow_area(P, new)
+    now, delta = (live[lo - 1] if lo else 0.0), P.delta
     for o in new[lo:hi]:
-        now += P.delta[o]
+        now += delta[o]
         if now > over and o % 3 == 0:
             return _overflow_area(P, new)
     return area
