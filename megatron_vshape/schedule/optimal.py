@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import microbatch_order
 from .comm import ACT, input_message, is_remote, local_predecessor
 from .errors import ConfigError
 from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, StageCost, stage_table
@@ -238,7 +239,8 @@ def solve(problem: Problem, time_limit: float = 10.0, hint: Optional[Schedule] =
     ranks: List[List[Op]] = [[] for _ in range(pl.pp)]
     for op in sorted(ops, key=lambda o: solver.value(start[o])):
         ranks[pl.rank_of(op.stage)].append(op)
-    solved = _schedule(problem, ranks, scale if rounded else None)
+    # Microbatches are interchangeable to the solver; in order they are bit-exact (no later).
+    solved = _schedule(problem, microbatch_order.relabel(ranks), scale if rounded else None)
     sim = simulate(solved)
     claimed = solver.objective_value / scale
     # Eager re-simulation starts every op no later than the solver did: never longer, and

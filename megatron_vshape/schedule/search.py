@@ -38,7 +38,10 @@ candidates and keeps the shortest under the simulator's rules:
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest-period
-    blocks likewise), then on the plan.
+    blocks likewise), then on the plan;
+  * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
+    moves above may leave two ops of a kind out of order, which changes the order gradients
+    are added in; relabelled, the plan is no longer and holds the same memory.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
@@ -59,7 +62,7 @@ from itertools import accumulate
 from types import SimpleNamespace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import slots
+from . import microbatch_order, slots
 from .blocks import EPS, Stuck
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, StageCost, check_no_options, check_sizes, stage_table
@@ -1164,6 +1167,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         else:
             ends.append((was[0], -k, order, why))
     _, _, best, how = min(ends, key=lambda e: e[:2])
+    # Moves of single ops may leave two of a kind out of microbatch order on a stage; in
+    # order, gradients add up as in the non-pipelined model (never longer, same memory).
+    best = P.encode(microbatch_order.relabel([[P.op(i) for i in o] for o in best]))
     return tuple(tuple(o) for o in best), how
 
 

@@ -1,0 +1,81 @@
+"""Microbatches in order on every stage (gradients add up as in the non-pipelined model): the
+verifier refuses a schedule that breaks it, relabel() repairs one without making it longer or
+changing its memory, and the planner's local moves, which do break it under unequal stage
+costs, reach users relabelled."""
+import random
+
+import pytest
+
+from megatron_vshape.schedule import microbatch_order, search
+from megatron_vshape.schedule.baselines import one_f_one_b
+from megatron_vshape.schedule.ops import B, BW, W, Costs, Op, StageCost, stage_table
+from megatron_vshape.schedule.simulate import peak_activations, simulate
+from megatron_vshape.schedule.verify import InvalidSchedule, problems, verify
+from megatron_vshape.schedule.vshape import v_half
+
+
+def _split(schedule):
+    schedule.ranks = [[x for op in ops for x in ((Op(B, op.microbatch, op.stage), Op(W, op.microbatch, op.stage))
+                                                 if op.kind == BW else (op,))] for ops in schedule.ranks]
+    return schedule
+
+
+def test_out_of_order_ws_are_refused_and_relabelled():
+    s = _split(one_f_one_b(2, 4))
+    ops = s.ranks[1]
+    ops.remove(Op(W, 1, 1))
+    ops.insert(ops.index(Op(W, 2, 1)) + 1, Op(W, 1, 1))  # still complete and deadlock-free, W2 before W1
+    found = problems(s)
+    assert len(found) == 1 and "W1@1 after W2@1" in found[0] and "microbatch order" in found[0]
+    with pytest.raises(InvalidSchedule, match="relabel"):
+        verify(s)
+    s.ranks = microbatch_order.relabel(s.ranks)
+    assert verify(s) is s
+    assert [op.microbatch for op in s.ranks[1] if op.kind == W] == [0, 1, 2, 3]
+
+
+def test_relabel_keeps_an_ordered_schedule():
+    s = v_half(3, 7)
+    assert microbatch_order.relabel(s.ranks) == s.ranks
+
+
+def _raw_search_orders(n):
+    """Orders straight out of greedy() + improve() under random unequal stage costs, before
+    the planner relabels them (random pp, microbatches, caps)."""
+    rng = random.Random(7)
+    for _ in range(n):
+        pp, m = rng.choice([2, 3, 4]), rng.choice([3, 4, 5, 6, 8])
+        costs = Costs(1, 1, 1, 0).per_stage(2)
+        table = stage_table(costs, 2 * pp, [StageCost(rng.uniform(1, 10), rng.uniform(0.5, 10), rng.uniform(0.2, 3),
+                                                      rng.choice([1.0, 1.0, 1.5])) for _ in range(2 * pp)])
+        budget = rng.choice([search.min_budget(pp), 1.0, 1.5])
+        P = search.Problem(pp, m, costs, table, search.cap_of(pp, m, budget, table))
+        try:
+            order = search.greedy(P, "F1 B1 F0 B0", 1.0, "one")
+        except search.Stuck:
+            continue
+        order, _ = search.improve(P, order, 20_000, seed=1)
+        yield P, budget, order
+
+
+def test_relabelled_search_orders_are_no_longer_and_hold_the_same_memory():
+    broken = 0
+    for P, budget, order in _raw_search_orders(24):
+        ranks = [[P.op(i) for i in ops] for ops in order]
+        before = P.schedule("raw", order, None, P.table, {})
+        after = P.schedule("raw", P.encode(microbatch_order.relabel(ranks)), budget, P.table, {})
+        assert microbatch_order.problems(after.ranks) == []
+        verify(after)  # complete, deadlock-free, within the budget
+        assert simulate(after).makespan <= simulate(before).makespan + 1e-9
+        assert peak_activations(after) == peak_activations(before)
+        broken += bool(microbatch_order.problems(ranks))
+    assert broken >= 3, "the local moves should break the order somewhere (else this test proves nothing)"
+
+
+def test_plans_under_random_stage_costs_run_microbatches_in_order():
+    rng = random.Random(3)
+    for _ in range(6):
+        pp, m = rng.choice([2, 3]), rng.choice([3, 4, 6])
+        table = [StageCost(rng.uniform(1, 10), rng.uniform(0.5, 10), rng.uniform(0.2, 3), 1.0) for _ in range(2 * pp)]
+        s = search.plan("v-auto", pp, m, Costs(1, 1, 1, 0), 1.0, table)
+        assert microbatch_order.problems(s.ranks) == []
