@@ -4,8 +4,9 @@ Why it matters.  A parameter's gradient is the sum of its microbatches' contribu
 as the B's (norms, biases, embeddings) and the W's (deferred weight GEMMs) of its stage run.
 Floating-point addition is not associative, so only a schedule whose B's and W's run in
 microbatch order on every stage adds them in the order of the non-pipelined model, and
-gives its gradients bit for bit.  Transformer Engine's deferred weight gradients (one FIFO
-per layer) need W's in B order too.  The verifier checks it (`problems`).
+gives its gradients bit for bit (any other order runs correctly, the runtime's tests run W's
+reversed on purpose, but its gradients agree only within rounding).  The planner and the
+solver relabel their orders (below); `problems` says where a schedule is out of order.
 
 Why it costs nothing.  Microbatches are interchangeable, so a search that moves single ops
 may leave two of a kind out of order on a stage; `relabel` gives the k-th op of each kind
@@ -39,9 +40,9 @@ def problems(ranks: Sequence[Sequence[Op]]) -> List[str]:
                     continue
                 before = last.get(op.stage)
                 if before is not None and before.microbatch > op.microbatch:
-                    out.append(f"rank {rank}: {op} after {before}: stage {op.stage}'s {name} ops must run in "
-                               f"microbatch order (gradients are accumulated in it); relabel them in order of "
-                               f"appearance (schedule.microbatch_order.relabel)")
+                    out.append(f"rank {rank}: {op} after {before}: stage {op.stage}'s {name} ops out of microbatch "
+                               f"order (gradients then equal the non-pipelined ones within rounding, not bit for bit; "
+                               f"microbatch_order.relabel puts them in order)")
                     last[op.stage] = op  # report each step back once
                 elif before is None or before.microbatch < op.microbatch:
                     last[op.stage] = op
