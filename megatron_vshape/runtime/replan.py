@@ -3,9 +3,10 @@
 The runtime never decides an order: it measures (runtime.stats.Recorder), every rank agrees on
 one table of per-stage means (one collective), and the schedule is rebuilt by name from that
 table by the planner (schedule.registry), identically on every rank.  Only the order changes:
-each stage still runs its microbatches' F, B and W in index order (every generator does, and
-the exact reference shows no optimum is lost by it), so each parameter receives its gradient
-contributions in the same order and the numbers come out bit for bit the same.
+each stage still runs its microbatches' F, B and W in index order (every generator does; the
+planner and the solver relabel their orders so, which never costs time:
+schedule/microbatch_order.py), so each parameter receives its gradient contributions in the
+same order and the numbers come out bit for bit the same.
 
 The table: per stage, the mean F, B and W time of one microbatch (seconds), and the stage's
 activation size relative to a plain layer stage (mean bytes saved by one F over the median
