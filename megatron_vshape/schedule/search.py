@@ -38,7 +38,8 @@ candidates and keeps the shortest under the simulator's rules:
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest-period
-    blocks likewise), then on the plan;
+    blocks likewise), then on the plan, then on that with rules that wait for the op they
+    prefer instead of starting another just before it is ready (`hold`);
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
     moves above may leave two ops of a kind out of order, which changes the order gradients
     are added in; relabelled, the plan is no longer and holds the same memory.
@@ -276,14 +277,17 @@ def kept_prefix(P: Problem, keep: Sequence[Sequence[int]]) -> _Listed:
 def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
            follow: Optional[Sequence[Sequence[int]]] = None,
            keep: Optional[Sequence[Sequence[int]]] = None, start: Optional[_Listed] = None,
-           pause: bool = False) -> Union[List[List[int]], _Listed]:
+           pause: bool = False, hold: float = 0.0) -> Union[List[List[int]], _Listed]:
     """List-schedule every rank under the cap with one priority rule; raises Stuck if a rank
     can never proceed (only when the cap cannot hold one microbatch's two stages).  With
     `follow`, each rank runs that order's F's and B's in that order instead, and only the
     W's are placed anew by the rule (into waits, or where memory needs them).  With `keep`,
     each rank first runs its prefix keep[r] exactly (it must fit the cap), then the rule;
     `start` resumes from a copy of kept_prefix()'s state for that `keep`, and `pause` (what
-    kept_prefix() asks) returns the state at the first decision the rule would make."""
+    kept_prefix() asks) returns the state at the first decision the rule would make.  With
+    `hold` > 0 a rank that could start an F or B does not when an op it prefers is ready
+    before hold * that op's duration has passed: it waits for the preferred one (a W may
+    fill the wait), as a chain other ranks wait for needs in the cool-down."""
     pp, S, m, cap, size, span = P.pp, P.S, P.m, P.cap + EPS, P.size, P.span
     rank, f_hop, b_hop = P.rank, P.f_hop, P.b_hop
     fb = None if follow is None else [[o for o in ops if o % 3 != 2] for ops in follow]
@@ -352,6 +356,8 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                         elif e + b_hop[s] > ready:
                             ready = e + b_hop[s]
                 if ready <= due:
+                    if hold and soonest < t + hold * span[o] - EPS:
+                        break  # a preferred op is ready before this one would end: wait for it
                     best = o
                     break
                 if ready < soonest:
@@ -412,11 +418,15 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
 
 RELIST_BACK = 3  # relist() re-plans from after each rank's last F of a chunk, or up to this many microbatches earlier
 RELIST_WORK = 20_000  # greedy ops one relist() may spend, counting its shared kept prefix each time (a plan relists up to a dozen orders)
-RELIST_RULES = tuple(rule for rule in RULES if rule[2] == "one")  # "all" won 2 of 290 relists (40 random points)
+# greedy()'s (order, theta, reserve, hold) for relist(): the list rules, and (HOLD_RULES, tried
+# on the final plans after them) the same rules waiting for the op they prefer.
+RELIST_RULES = tuple(rule + (0.0,) for rule in RULES if rule[2] == "one")  # "all" won 2 of 290 relists (40 random points)
+HOLD_RULES = tuple(rule[:3] + (1.0,) for rule in RELIST_RULES)
 RELIST_SHARE = 4  # the relisted start's improve() gets 1/RELIST_SHARE of one start's work
 
 
-def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple[Optional[Tuple[float, float, float]], List[List[int]]]:
+def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK,
+           rules: Sequence[Tuple[str, float, str, float]] = RELIST_RULES) -> Tuple[Optional[Tuple[float, float, float]], List[List[int]]]:
     """The cool-down list-scheduled anew under the real costs: each rank keeps `order` up to
     its F of microbatch m-1-k (k = 0..RELIST_BACK) in chunk 0, then in chunk 1, and a greedy
     rule runs the rest.  Blocks squeezed on unit slots, and local moves, leave W's in the
@@ -424,7 +434,7 @@ def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple
     scheduler lets W's fill waits only.  From the chunk-1 F on, only backward work is left
     to place: with few microbatches (m close to p) the run ends on that chain.  (score,
     order) of the shortest that fits, `order` itself if none is shorter; at most `work`
-    greedy ops."""
+    greedy ops, each keep point with every rule of `rules` ((priority, theta, reserve, hold))."""
     best = (P.evaluate(order), order)
     n = 6 * P.pp * P.m
     for chunk in (0, 1):
@@ -432,13 +442,13 @@ def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK) -> Tuple
             mb = P.m - 1 - k
             keep = [ops[:ops.index(3 * (mb * P.S + (P.S - 1 - r if chunk else r))) + 1] for r, ops in enumerate(order)]
             shared = None
-            for rule in RELIST_RULES:
+            for priority, theta, reserve, hold in rules:
                 work -= n
                 if work < 0:
                     return best
                 try:
                     shared = shared or kept_prefix(P, keep)
-                    got = greedy(P, *rule, keep=keep, start=shared)
+                    got = greedy(P, priority, theta, reserve, keep=keep, start=shared, hold=hold)
                 except Stuck:
                     continue
                 score = P.evaluate(got)
@@ -1162,6 +1172,12 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     ends = []
     for k, (was, order, why) in enumerate(finalists + [(score, best, how)]):
         got, again = relist(P, [list(o) for o in order])
+        # Then the rules that wait for the op they prefer: a list rule never idles, so in the
+        # cool-down it starts a first-chunk B just before the second-chunk B that the chain
+        # through every rank waits for (kept only if shorter, so no plan gets longer).
+        held, waited = relist(P, again, rules=HOLD_RULES)
+        if held[:2] < got[:2]:
+            got, again = held, waited
         if got[0] < was[0] - EPS:
             ends.append((got[0], -k, again, why + f" + cool-down relisted ({was[0]:g} -> {got[0]:g})"))
         else:

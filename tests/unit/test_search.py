@@ -495,6 +495,25 @@ def test_relist_from_the_last_second_chunk_f_when_microbatches_are_few():
     assert any(kept_to_chunk_1_f(11 - k) for k in range(search.RELIST_BACK + 1))
 
 
+def test_hold_waits_for_the_preferred_op_in_the_cool_down():
+    # pp=4, m=18, 12,10,2,0 (per stage F=6, B=5, W=1) at budget 0.875 (cap 7).  The paper's
+    # adaptive scheduler's schedule replays to 473 here; ours was 476: in the cool-down rank 2's
+    # list rule started a first-chunk B (5) two units before the second-chunk B that the
+    # chain through every rank waits for.  The rules that wait for it (hold) relist the plan to
+    # 472; without hold, greedy() is the list scheduler it was.
+    costs = Costs.parse("12,10,2,0").per_stage(2)
+    P = search.Problem(4, 18, costs, stage_table(costs, 8, None), 7)
+    order, _ = search._squeezed_candidates(P)[0]
+    keep = [ops[:len(ops) * 3 // 4] for ops in order]
+    for rule in search.RULES:
+        assert search.greedy(P, *rule, keep=keep, hold=0.0) == search.greedy(P, *rule, keep=keep)
+    held = [search.greedy(P, *rule[:3], keep=keep, hold=rule[3]) for rule in search.HOLD_RULES]
+    assert all(P.fits(o) and P.evaluate(o) is not None for o in held)
+    assert any(o != search.greedy(P, *rule[:3], keep=keep) for o, rule in zip(held, search.HOLD_RULES))
+    s = registry.build("v-auto", 4, 18, Costs.parse("12,10,2,0"), memory_budget=0.875)
+    assert simulate(s).makespan <= 472 + 1e-9, s.meta["plan"]
+
+
 def test_steady_period_counts_the_real_costs_not_the_slots():
     # pp=9, costs 6,12,8,1 (per stage F=3, B=6, W=4), cap 14: a rank's two stages take 26 per
     # microbatch, so no block repeats faster; the shortest blocks at the cap (what slot lengths
