@@ -11,7 +11,6 @@ from megatron_vshape.schedule.baselines import one_f_one_b
 from megatron_vshape.schedule.ops import B, BW, W, Costs, Op, StageCost, stage_table
 from megatron_vshape.schedule.simulate import peak_activations, simulate
 from megatron_vshape.schedule.verify import verify
-from megatron_vshape.schedule.vshape import v_half
 
 
 def _split(schedule):
@@ -34,9 +33,16 @@ def test_out_of_order_ws_are_found_and_relabelled():
     assert [op.microbatch for op in s.ranks[1] if op.kind == W] == [0, 1, 2, 3]
 
 
-def test_relabel_keeps_an_ordered_schedule():
-    s = v_half(3, 7)
-    assert microbatch_order.relabel(s.ranks) == s.ranks
+def test_out_of_order_combined_backwards_are_relabelled_too():
+    s = one_f_one_b(2, 4)  # BW ops
+    ops = s.ranks[0]
+    i, j = ops.index(Op(BW, 2, 0)), ops.index(Op(BW, 3, 0))
+    ops[i], ops[j] = ops[j], ops[i]  # the last two backwards swapped: valid, not in order
+    verify(s)
+    assert "BW2@0 after BW3@0" in microbatch_order.problems(s.ranks)[0]
+    before = simulate(s).makespan
+    s.ranks = microbatch_order.relabel(s.ranks)
+    assert microbatch_order.problems(s.ranks) == [] and simulate(verify(s)).makespan <= before
 
 
 def _raw_search_orders(n):
@@ -81,6 +87,7 @@ def test_every_registered_schedule_runs_microbatches_in_order(name):
         except ValueError:  # sizes this schedule refuses (ConfigError)
             continue
         assert microbatch_order.problems(s.ranks) == [], f"{name} pp={pp} m={m}"
+        assert microbatch_order.relabel(s.ranks) == s.ranks  # B/W and BW alike: nothing to relabel
     if not registry.plans_for_stage_costs(name):
         return
     for _ in range(3):
