@@ -858,6 +858,7 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
 
 BLOCK_OPS = 16_000  # ops squeezed for the uniform-offset blocks of one problem: bounds CPU time
 STRETCHED = 4  # squeezed candidates carried to full length
+RANK_RELIST_WORK = 40_000  # greedy ops for ranking squeezed candidates by their relisted cool-down
 PERIOD_OPS = BLOCK_OPS // 2  # the same for the blocks of the shortest real-cost periods (a last start)
 PERIOD_STRETCHED = 2
 WHOLE_OPS = 3000  # runs of up to this many ops are squeezed at full length
@@ -910,11 +911,15 @@ def _paper_blocks(pp: int) -> List[Tuple[str, slots.Block]]:
 
 
 def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.Block]]] = None,
-                         carried: int = STRETCHED, whole: bool = True) -> List[Tuple[List[List[int]], str]]:
+                         carried: int = STRETCHED, whole: bool = True,
+                         relisted: bool = False) -> List[Tuple[List[List[int]], str]]:
     """`blocks` (by default the paper's V-Min and V-Half blocks and the shortest of
     _top_blocks) repeated and squeezed on unit slots (slots.py), all on the same few
     microbatches and compared there (with `whole`, on all of a short run); the best
-    `carried` are stretched to the full run."""
+    `carried` are stretched to the full run.  With `relisted` (the caller relists the
+    carried ones) they are compared with their cool-down relisted from the first keep point
+    (relist's first rules only, cheap): the squeeze's own cool-down ranks them badly, and the
+    block that relists shortest is often not among the best few squeezed."""
     if blocks is None:
         blocks = _paper_blocks(P.pp) + _top_blocks(P, False)[0]
     if not blocks:
@@ -932,12 +937,27 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
             if score is not None:
                 found.append((score, len(found), block, at_q, lazy_w, f"{name} squeezed ({how})"))
     found.sort(key=lambda x: x[:2])
-    out = []
-    for _, _, block, at_q, lazy_w, how in found:
+    ranked = list(found)
+    if relisted:  # the best by the squeeze's own cool-down first, while the work lasts
+        work, rules = RANK_RELIST_WORK, len(RELIST_RULES) * 6 * Q.pp * Q.m
+        for k, (score, *rest) in enumerate(ranked[:work // rules]):
+            ranked[k] = (min(score, relist(Q, slots.orders(Q, rest[2]), work=rules)[0]), *rest)
+        ranked.sort(key=lambda x: x[:2])
+    out, taken = [], set()
+    for _, k, block, at_q, lazy_w, how in ranked:
         order = slots.stretched(P, Q, block, at_q, lazy_w)
         if order is not None:
             out.append((order, how))
+            taken.add(k)
             if len(out) == carried:
+                break
+    if relisted:  # the best by the squeeze's own cool-down stays a candidate too
+        for _, k, block, at_q, lazy_w, how in found:
+            if k in taken:
+                break
+            order = slots.stretched(P, Q, block, at_q, lazy_w)
+            if order is not None:
+                out.append((order, how))
                 break
     return out
 
@@ -1066,13 +1086,13 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # paper's blocks were built for).
     shortest, periodic = _top_blocks(P, by_period=n_ops > RELAX_OPS and name not in dict(NAMED_BUDGETS))
     relisted = []
-    for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + shortest):
+    for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + shortest, relisted=n_ops > RELAX_OPS):
         cands.append((P.evaluate(order), 50 + len(cands), order, how))
         got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
         if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
     by_period = []
-    for order, how in _squeezed_candidates(P, periodic, PERIOD_STRETCHED, whole=False):
+    for order, how in _squeezed_candidates(P, periodic, PERIOD_STRETCHED, whole=False, relisted=True):
         got, better = relist(P, order)
         by_period.append((got, len(by_period), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):

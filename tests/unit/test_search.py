@@ -514,6 +514,26 @@ def test_hold_waits_for_the_preferred_op_in_the_cool_down():
     assert simulate(s).makespan <= 472 + 1e-9, s.meta["plan"]
 
 
+def test_squeezed_blocks_are_ranked_by_their_relisted_cool_down():
+    # pp=7, m=19, 2,2,2,0 (per stage 1,1,1,0) at cap 9 of 14: the paper's adaptive scheduler's
+    # schedule replays to 128; ours was 129.  The squeeze's own cool-down ranked the blocks
+    # that relist to 128 (130 as squeezed) behind six at 129 that relist to no less, and only
+    # four are carried on.  Ranked by the cool-down relisted from its first keep point, one
+    # is carried, and the raw best still is (so no plan gets longer).
+    costs = Costs.parse("2,2,2,0").per_stage(2)
+    P = search.Problem(7, 19, costs, stage_table(costs, 14, None), 9)
+    blocks = search._paper_blocks(7) + search._top_blocks(P, False)[0]
+    raw = search._squeezed_candidates(P, blocks)
+    ranked = search._squeezed_candidates(P, blocks, relisted=True)
+    assert len(ranked) <= search.STRETCHED + 1 and raw[0] in ranked
+
+    def relisted(cands):
+        return min(search.relist(P, order)[0][0] for order, _ in cands)
+    assert relisted(raw) == 129 and relisted(ranked) == 128
+    s = registry.build("v-auto", 7, 19, Costs.parse("2,2,2,0"), memory_budget=9 / 14)
+    assert simulate(s).makespan <= 128 + 1e-9, s.meta["plan"]
+
+
 def test_steady_period_counts_the_real_costs_not_the_slots():
     # pp=9, costs 6,12,8,1 (per stage F=3, B=6, W=4), cap 14: a rank's two stages take 26 per
     # microbatch, so no block repeats faster; the shortest blocks at the cap (what slot lengths
