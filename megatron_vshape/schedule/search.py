@@ -917,9 +917,9 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
     _top_blocks) repeated and squeezed on unit slots (slots.py), all on the same few
     microbatches and compared there (with `whole`, on all of a short run); the best
     `carried` are stretched to the full run.  With `relisted` (the caller relists the
-    carried ones) they are compared with their cool-down relisted from the first keep point
-    (relist's first rules only, cheap): the squeeze's own cool-down ranks them badly, and the
-    block that relists shortest is often not among the best few squeezed."""
+    carried ones) they are compared with their cool-down relisted from its first keep point
+    only (cheap), as many as RANK_RELIST_WORK allows: the squeeze's own cool-down ranks them
+    badly, and the block that relists shortest is often not among the best few squeezed."""
     if blocks is None:
         blocks = _paper_blocks(P.pp) + _top_blocks(P, False)[0]
     if not blocks:
