@@ -71,6 +71,7 @@ from .simulate import one_f_one_b_peak
 from .verify import verify
 
 MAX_BUDGET = 2.0
+NOT_DONE = math.inf  # run()'s end time of an op that has not run
 
 
 def min_budget(pp: int) -> float:
@@ -164,12 +165,13 @@ class Problem:
         return self.run(order, limit, self.blank(), [0] * self.pp, [0.0] * self.pp)
 
     def blank(self) -> List[float]:
-        """run()'s `end` before any op ran: -1 for every op, then the sentinel input, done at 0."""
-        return [-1.0] * self.n + [0.0]
+        """run()'s `end` before any op ran: NOT_DONE for every op, then the sentinel input,
+        done at 0."""
+        return [NOT_DONE] * self.n + [0.0]
 
     def run(self, order: Sequence[Sequence[int]], limit: float, end: List[float], pos: List[int],
             free: List[float]) -> Optional[Tuple[float, float, float]]:
-        """evaluate() from a given state: `end` of every op done (-1 if not; blank()'s
+        """evaluate() from a given state: `end` of every op done (NOT_DONE if not; blank()'s
         layout), each rank's next position and its free time.  Fills `end` in place.  None as
         soon as an op's end plus its chain of later ops passes `limit`: the run ends after it."""
         spec = self.spec
@@ -178,23 +180,24 @@ class Problem:
         while moved:
             moved = False
             for r in self.sweep:
-                ops, i, t, n = order[r], pos[r], free[r], lens[r]
+                i, n = pos[r], lens[r]
+                if i == n:
+                    continue
+                ops, t = order[r], free[r]
                 start_i = i
                 while i < n:
                     o = ops[i]
                     d1, h1, d2, h2, span, tail = spec[o]
-                    a = end[d1]
-                    if a < 0:
+                    # An input not done yet is NOT_DONE (inf), and so is its ready time: one
+                    # test finds both inputs done (the search's innermost loop).
+                    a = end[d1] + h1
+                    b = end[d2] + h2
+                    if b > a:
+                        a = b
+                    if a == NOT_DONE:
                         break
-                    b = end[d2]
-                    if b < 0:
-                        break
-                    a += h1
                     if a > t:
                         t = a
-                    b += h2
-                    if b > t:
-                        t = b
                     t += span
                     if t + tail > limit:
                         return None
@@ -503,8 +506,8 @@ class _Rerun:
         return self.score
 
     def _starts(self, ops: Sequence[int]) -> List[float]:
-        dur, S, end = self.P.dur, self.P.S, self.end
-        return [end[o] - dur[(o // 3) % S][o % 3] for o in ops]
+        end, span = self.end, self.P.span
+        return [end[o] - span[o] for o in ops]
 
     def trial(self, order: List[List[int]], lows: Dict[int, int], limit: float) -> Optional[Tuple[float, float, float]]:
         """The score of `order`, which differs from the last committed one only on the ranks
@@ -518,7 +521,7 @@ class _Rerun:
             if q in lows and k > lows[q]:
                 k = lows[q]
             for o in ops[k:]:
-                end[o] = -1.0
+                end[o] = NOT_DONE
             keep.append(k)
             free.append(end[ops[k - 1]] if k else 0.0)
         got = P.run(order, limit, end, list(keep), free)
