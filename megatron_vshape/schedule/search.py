@@ -252,7 +252,7 @@ class _Listed:
 
     def __init__(self, P: Problem):
         pp = P.pp
-        self.end = [-1.0] * (3 * P.m * P.S) + [0.0]  # P's layout: the sentinel input, done at 0
+        self.end = P.blank()  # NOT_DONE (inf) for every op, then the sentinel input, done at 0
         self.nxt = [[0, 0, 0, 0] for _ in range(pp)]  # per rank: F of chunk 0, F of chunk 1, B of chunk 0, B of chunk 1
         self.wq: List[List[int]] = [[] for _ in range(pp)]  # W's whose B ran, oldest B first
         self.live = [0.0] * pp
@@ -320,13 +320,10 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         due = t + EPS
         if kept:
             o = keep[r][done]
-            a, b = end[in1[o]], end[in2[o]]
-            if a < 0 or b < 0:
-                ready = inf
-            else:
-                a += hop1[o]
-                b += hop2[o]
-                ready = a if a >= b else b
+            ready = end[in1[o]] + hop1[o]  # inf until both inputs are done
+            b = end[in2[o]] + hop2[o]
+            if b > ready:
+                ready = b
             if ready <= due:
                 best = o
             soonest = ready
@@ -338,11 +335,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                     continue
                 o = 3 * (j * S + s) + slot
                 if slot == 0:
-                    if s:
-                        e = end[o - 3]
-                        ready = inf if e < 0 else e + f_hop[s]
-                    else:
-                        ready = 0.0
+                    ready = end[o - 3] + f_hop[s] if s else 0.0
                     need = size[s1] if chunk else size[s0] + (pending[r] if reserving else 0.0) + size[s1]
                     if lr + need > cap:
                         if ready <= due:
@@ -350,14 +343,12 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                         continue
                 else:
                     ready = end[o - 1]
-                    if ready < 0:
+                    if ready == inf:
                         continue
                     if s < S - 1:
-                        e = end[o + 3]
-                        if e < 0:
-                            ready = inf
-                        elif e + b_hop[s] > ready:
-                            ready = e + b_hop[s]
+                        e = end[o + 3] + b_hop[s]
+                        if e > ready:
+                            ready = e
                 if ready <= due:
                     if hold and soonest < t + hold * span[o] - EPS:
                         break  # a preferred op is ready before this one would end: wait for it
@@ -367,8 +358,10 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                     soonest = ready
         elif done_fb[r] < len(fb[r]):
             o = fb[r][done_fb[r]]
-            a, b = end[in1[o]], end[in2[o]]
-            ready = inf if a < 0 or b < 0 else max(a + hop1[o], b + hop2[o])
+            ready = end[in1[o]] + hop1[o]
+            b = end[in2[o]] + hop2[o]
+            if b > ready:
+                ready = b
             if o % 3 == 0 and live[r] + size[(o // 3) % S] > cap:
                 if ready <= due:
                     mem_blocked = True
