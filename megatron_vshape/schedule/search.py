@@ -298,16 +298,21 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
     end, nxt, wq, live, pending, out = state.end, state.nxt, state.wq, state.live, state.pending, state.out
     free, wake, done_fb, heap = state.free, state.wake, state.done_fb, state.heap
     in1, in2, hop1, hop2 = P.in1, P.in2, P.hop1, P.hop2
+    pop, push = heapq.heappop, heapq.heappush
     stages = [(r, S - 1 - r) for r in range(pp)]
     # Per rank, the rule's preferences in order: (index into nxt, stage, slot, chunk).
     prefs = [(k[0] == B) * 2 + int(k[1]) for k in order.split()]
-    choices = [[(i, s1 if i % 2 else s0, i // 2, i % 2) for i in prefs] for s0, s1 in stages]
+    # (index into nxt, stage, slot, chunk, the op id of microbatch 0, the room an F there needs
+    # besides the reserve)
+    choices = [[(i, s, i // 2, i % 2, 3 * s + i // 2, size[s1] if i % 2 else size[s0] + size[s1])
+                for i in prefs for s in (s1 if i % 2 else s0,)] for s0, s1 in stages]
+    S3 = 3 * S
     reserving = reserve == "all"
     total = 6 * m
     inf = math.inf
     kept_len = [0] * pp if keep is None else [len(k) for k in keep]
     while heap:
-        t, r = heapq.heappop(heap)
+        t, r = pop(heap)
         done = len(out[r])
         if t != wake[r] or done == total:
             continue
@@ -315,7 +320,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         best, soonest, mem_blocked = -1, inf, False
         kept = done < kept_len[r]
         if pause and not kept:
-            heapq.heappush(heap, (t, r))  # this rank decides by the rule from here
+            push(heap, (t, r))  # this rank decides by the rule from here
             return state
         due = t + EPS
         if kept:
@@ -329,14 +334,15 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
             soonest = ready
         elif fb is None:
             nx, lr = nxt[r], live[r]
-            for i, s, slot, chunk in choices[r]:
+            for i, s, slot, chunk, base, need in choices[r]:
                 j = nx[i]
                 if j >= m:
                     continue
-                o = 3 * (j * S + s) + slot
+                o = base + S3 * j
                 if slot == 0:
                     ready = end[o - 3] + f_hop[s] if s else 0.0
-                    need = size[s1] if chunk else size[s0] + (pending[r] if reserving else 0.0) + size[s1]
+                    if reserving and not chunk:
+                        need = size[s0] + pending[r] + size[s1]  # the sum as the reserve rule reads
                     if lr + need > cap:
                         if ready <= due:
                             mem_blocked = True
@@ -376,7 +382,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
         if best < 0:
             wake[r] = soonest
             if soonest < inf:
-                heapq.heappush(heap, (soonest, r))
+                push(heap, (soonest, r))
             continue
         slot, s = best % 3, (best // 3) % S
         chunk = 0 if s == s0 else 1
@@ -396,7 +402,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
             live[r] -= size[s]
             wq[r].remove(best)  # the oldest, unless a kept prefix ran another
         wake[r] = free[r] = finish
-        heapq.heappush(heap, (finish, r))
+        push(heap, (finish, r))
         if slot != 2:  # wake the neighbour whose op consumes this output
             n = s + 1 if slot == 0 else s - 1
             if 0 <= n < S and rank[n] != r:
@@ -404,7 +410,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                 at = max(finish + (f_hop[n] if slot == 0 else b_hop[n]), free[q])
                 if at < wake[q]:
                     wake[q] = at
-                    heapq.heappush(heap, (at, q))
+                    push(heap, (at, q))
     if pause:
         return state
     if any(len(o) != total for o in out):
@@ -422,7 +428,8 @@ RELIST_SHARE = 4  # the relisted start's improve() gets 1/RELIST_SHARE of one st
 
 
 def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK,
-           rules: Sequence[Tuple[str, float, str, float]] = RELIST_RULES) -> Tuple[Optional[Tuple[float, float, float]], List[List[int]]]:
+           rules: Sequence[Tuple[str, float, str, float]] = RELIST_RULES,
+           prefixes: Optional[Dict[Tuple[int, int], _Listed]] = None) -> Tuple[Optional[Tuple[float, float, float]], List[List[int]]]:
     """The cool-down list-scheduled anew under the real costs: each rank keeps `order` up to
     its F of microbatch m-1-k (k = 0..RELIST_BACK) in chunk 0, then in chunk 1, and a greedy
     rule runs the rest.  Blocks squeezed on unit slots, and local moves, leave W's in the
@@ -430,20 +437,23 @@ def relist(P: Problem, order: List[List[int]], work: int = RELIST_WORK,
     scheduler lets W's fill waits only.  From the chunk-1 F on, only backward work is left
     to place: with few microbatches (m close to p) the run ends on that chain.  (score,
     order) of the shortest that fits, `order` itself if none is shorter; at most `work`
-    greedy ops, each keep point with every rule of `rules` ((priority, theta, reserve, hold))."""
+    greedy ops, each keep point with every rule of `rules` ((priority, theta, reserve, hold)).
+    `prefixes` keeps each keep point's kept_prefix() state for another relist of the same
+    order (with other rules): the same result, without running the prefixes again."""
     best = (P.evaluate(order), order)
+    prefixes = {} if prefixes is None else prefixes
     n = 6 * P.pp * P.m
     for chunk in (0, 1):
         for k in range(min(P.m, RELIST_BACK + 1)):
             mb = P.m - 1 - k
             keep = [ops[:ops.index(3 * (mb * P.S + (P.S - 1 - r if chunk else r))) + 1] for r, ops in enumerate(order)]
-            shared = None
+            shared = prefixes.get((chunk, k))
             for priority, theta, reserve, hold in rules:
                 work -= n
                 if work < 0:
                     return best
                 try:
-                    shared = shared or kept_prefix(P, keep)
+                    shared = shared or prefixes.setdefault((chunk, k), kept_prefix(P, keep))
                     got = greedy(P, priority, theta, reserve, keep=keep, start=shared, hold=hold)
                 except Stuck:
                     continue
@@ -481,14 +491,17 @@ def _critical(P: Problem, order: List[List[int]]) -> List[Tuple[int, int]]:
 
 class _Rerun:
     """The eager run of the order being improved, kept between moves so that a move re-runs
-    only what it can change.  An op that started before the moved rank's first changed
-    position ends (time t0) started then in the new order too: by induction on start
-    times, everything it waits for started, and ended, before it, and no op of that rank
-    from that position on starts before t0.  So each rank resumes at its first op that
-    started at t0 or later (EPS below: zero-cost ops start exactly at t0)."""
+    only what it can change.  On a moved rank r nothing from its first changed position on
+    starts before t0 (the end of the op before it), in either order.  A change reaches a
+    rank d ranks away only through d hops between neighbours, each after an F or B at
+    least `reach` = C + the shortest F or B long, so by induction on start times every op
+    whose times change starts, in both orders, at T_q = t0 + d * reach or later.  So each
+    rank resumes at its first op that started at T_q or later (EPS below: zero-cost ops
+    start exactly there), and the moved rank at its first changed position at the latest."""
 
     def __init__(self, P: Problem, order: List[List[int]]):
         self.P = P
+        self.reach = P.costs.C + min(min(f, b) for f, b, _ in P.dur)
         self.reset(order)
 
     def reset(self, order: List[List[int]]) -> Tuple[float, float, float]:
@@ -505,19 +518,21 @@ class _Rerun:
     def trial(self, order: List[List[int]], lows: Dict[int, int], limit: float) -> Optional[Tuple[float, float, float]]:
         """The score of `order`, which differs from the last committed one only on the ranks
         in `lows`, each from its position there; commit() keeps it."""
-        P = self.P
-        t0 = min(self.end[order[r][lo - 1]] if lo else 0.0 for r, lo in lows.items())
-        end = self.end[:]
+        old, reach = self.end, self.reach
+        froms = [(r, (old[order[r][lo - 1]] if lo else 0.0) - EPS) for r, lo in lows.items()]
+        end = old[:]
         keep, free = [], []
         for q, ops in enumerate(order):
-            k = bisect.bisect_left(self.starts[q], t0 - EPS)
-            if q in lows and k > lows[q]:
-                k = lows[q]
+            at = min(t0 + abs(q - r) * reach for r, t0 in froms)
+            k = bisect.bisect_left(self.starts[q], at)
+            lo = lows.get(q)
+            if lo is not None and k > lo:
+                k = lo
             for o in ops[k:]:
                 end[o] = NOT_DONE
             keep.append(k)
-            free.append(end[ops[k - 1]] if k else 0.0)
-        got = P.run(order, limit, end, list(keep), free)
+            free.append(old[ops[k - 1]] if k else 0.0)
+        got = self.P.run(order, limit, end, list(keep), free)
         self._pending = (keep, got, end)
         return got
 
@@ -1201,11 +1216,13 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # shorter): each plan is at most as long as without the late starts.
     ends = []
     for k, (was, order, why) in enumerate(finalists + [(score, best, how)]):
-        got, again = relist(P, [list(o) for o in order])
+        prefixes: Dict[Tuple[int, int], _Listed] = {}
+        mine = [list(o) for o in order]
+        got, again = relist(P, mine, prefixes=prefixes)
         # Then the rules that wait for the op they prefer: a list rule never idles, so in the
         # cool-down it starts a first-chunk B just before the second-chunk B that the chain
         # through every rank waits for (kept only if shorter, so no plan gets longer).
-        held, waited = relist(P, again, rules=HOLD_RULES)
+        held, waited = relist(P, again, rules=HOLD_RULES, prefixes=prefixes if again is mine else None)
         if held[:2] < got[:2]:
             got, again = held, waited
         if got[0] < was[0] - EPS:
