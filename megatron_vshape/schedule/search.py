@@ -532,7 +532,10 @@ class _Rerun:
                 end[o] = NOT_DONE
             keep.append(k)
             free.append(old[ops[k - 1]] if k else 0.0)
-        got = self.P.run(order, limit, end, list(keep), free)
+        # A rank with nothing to re-run (far from the move) ends where it did: past the limit,
+        # the run does too (run() checks only the ops it runs).
+        late = any(k == len(ops) and t > limit for k, ops, t in zip(keep, order, free))
+        got = None if late else self.P.run(order, limit, end, list(keep), free)
         self._pending = (keep, got, end)
         return got
 
