@@ -208,8 +208,11 @@ class Problem:
                     pos[r], free[r] = i, t
         if pos != lens:
             return None
+        makespan = max(free)
+        if makespan > limit:
+            return None  # a rank given all its ops (a trial's far one) ends past the limit
         n = self.n
-        return max(free), sum(free), sum(end[0:n:3]) + sum(end[1:n:3])
+        return makespan, sum(free), sum(end[0:n:3]) + sum(end[1:n:3])
 
     def inputs(self, o: int) -> List[Tuple[int, float]]:
         """The ops `o` waits for, each with the hop after it (the simulator's rules)."""
@@ -300,10 +303,9 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
     in1, in2, hop1, hop2 = P.in1, P.in2, P.hop1, P.hop2
     pop, push = heapq.heappop, heapq.heappush
     stages = [(r, S - 1 - r) for r in range(pp)]
-    # Per rank, the rule's preferences in order: (index into nxt, stage, slot, chunk).
+    # The rule's preferences in order, as indexes into nxt; per rank, each as (index into nxt,
+    # stage, slot, chunk, the op id of microbatch 0, the room an F there needs besides the reserve).
     prefs = [(k[0] == B) * 2 + int(k[1]) for k in order.split()]
-    # (index into nxt, stage, slot, chunk, the op id of microbatch 0, the room an F there needs
-    # besides the reserve)
     choices = [[(i, s, i // 2, i % 2, 3 * s + i // 2, size[s1] if i % 2 else size[s0] + size[s1])
                 for i in prefs for s in (s1 if i % 2 else s0,)] for s0, s1 in stages]
     S3 = 3 * S
@@ -349,7 +351,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                         continue
                 else:
                     ready = end[o - 1]
-                    if ready == inf:
+                    if ready == NOT_DONE:
                         continue
                     if s < S - 1:
                         e = end[o + 3] + b_hop[s]
@@ -532,10 +534,7 @@ class _Rerun:
                 end[o] = NOT_DONE
             keep.append(k)
             free.append(old[ops[k - 1]] if k else 0.0)
-        # A rank with nothing to re-run (far from the move) ends where it did: past the limit,
-        # the run does too (run() checks only the ops it runs).
-        late = any(k == len(ops) and t > limit for k, ops, t in zip(keep, order, free))
-        got = None if late else self.P.run(order, limit, end, list(keep), free)
+        got = self.P.run(order, limit, end, list(keep), free)
         self._pending = (keep, got, end)
         return got
 
