@@ -344,7 +344,7 @@ def greedy(P: Problem, order: str, theta: float, reserve: str = "all",
                 if slot == 0:
                     ready = end[o - 3] + f_hop[s] if s else 0.0
                     if reserving and not chunk:
-                        need = size[s0] + pending[r] + size[s1]  # the sum as the reserve rule reads
+                        need = size[s0] + pending[r] + size[s1]  # summed in this order: other orders round differently
                     if lr + need > cap:
                         if ready <= due:
                             mem_blocked = True
