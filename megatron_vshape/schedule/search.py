@@ -34,12 +34,17 @@ candidates and keeps the shortest under the simulator's rules:
     the first chunk's backward delayed by one microbatch from some microbatch on, on
     every rank at once (`delayed`), then relaxed back under the cap; each try starts from
     the best order so far, and the best is kept if shorter;
+  * justification (justify.py): the plan list-scheduled backward, then forward, each op
+    into the first gap of its rank where it fits under the cap, with random restarts around
+    it on short runs (`justify_search`), kept if shorter; it fills waits that no single move
+    reaches (an op moved across many places at once, on every rank);
   * last, the cool-down list-scheduled anew (`relist`): each rank keeps its order up to its
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest-period
     blocks likewise), then on the plan, then on that with rules that wait for the op they
-    prefer instead of starting another just before it is ready (`hold`);
+    prefer instead of starting another just before it is ready (`hold`), and the winner
+    justified once more;
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
     moves above may leave two ops of a kind out of order, which changes the order gradients
     are added in; relabelled, the plan is no longer and holds the same memory.
@@ -63,7 +68,7 @@ from itertools import accumulate
 from types import SimpleNamespace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import microbatch_order, slots
+from . import justify, microbatch_order, slots
 from .blocks import EPS, Stuck
 from .errors import ConfigError
 from .ops import B, F, W, Costs, Op, Placement, Schedule, StageCost, check_no_options, check_sizes, stage_table
@@ -774,9 +779,9 @@ RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
 # the named plan it includes having spent those.  The slowest plans take about 1.55 s.
 RELAX_MOVES_NAMED = 15_000
-RELAX_MOVES = 45_000  # with m <= p (improve()'s refit starts need time there)
-RELAX_MOVES_MANY = 78_000  # with m > p, between V-Min's and V-Half's caps
-RELAX_MOVES_ABOVE = 50_000  # with m > p above V-ZB's cap (moves cost more where the cap rarely binds)
+RELAX_MOVES = 30_000  # with m <= p (improve()'s refit starts need time there)
+RELAX_MOVES_MANY = 46_500  # with m > p, between V-Min's and V-Half's caps
+RELAX_MOVES_ABOVE = 32_500  # with m > p above V-ZB's cap (moves cost more where the cap rarely binds)
 RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, v-auto's improve() gets 1/RELAX_SHARE of its work when relax() runs
 RELAX_PRICE = 1.0  # lam's start: this many mean ops' time per stage-activation over the cap
@@ -784,6 +789,8 @@ RELAX_ADAPT, RELAX_RISE, RELAX_FALL = 200, 1.3, 1.15  # lam's update: every so m
 STEPS = (-3, -2, -1, 1, 2, 3)  # how far improve() and relax() move an op on its rank
 RELAX_CHAIN = 0.3  # the share of relax()'s moves that are chain moves (_chain_move)
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
+JUSTIFY_TRIES = 150  # justify_search()'s restarts at up to RELAX_FULL_OPS ops (fewer by ops beyond, to RELAX_OPS)
+JUSTIFY_LONG_WORK = 6_000  # beyond RELAX_OPS ops: restarts x ops
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
 
@@ -1187,6 +1194,17 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
     finalists = []
+    # Justified (list-scheduled backward, then forward), with random restarts around the
+    # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
+    # ones a few (JUSTIFY_LONG_WORK ops of list scheduling), then none.
+    tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
+    got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts))
+    plain = score  # a late start below that would have displaced the plan is relisted too
+    if ms < score[0] - EPS:
+        if n_ops > RELAX_OPS:  # long runs: relisted at the end too, it may relist shorter
+            finalists.append((score, best, how))
+        how += f" + justified ({score[0]:g} -> {ms:g})"
+        score, best = P.evaluate(got), got
     if (relaxing or delaying) and n_ops > RELAX_FULL_OPS:
         # Beyond RELAX_FULL_OPS ops the moves above fall as the square of RELAX_FULL_OPS / ops,
         # and the planning time with them: from pp=5 on (m near p) that left plans up to 3%
@@ -1214,6 +1232,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         if got[0] < score[0] - EPS:
             finalists.append((score, best, how))
             score, best, how = got, order, why
+        elif got[0] < plain[0] - EPS:
+            finalists.append((got, order, why))
+        plain = min(plain, got, key=lambda c: c[0])
     # The plan is relisted last, and so is each plan a late start displaced (it may relist
     # shorter): each plan is at most as long as without the late starts.
     ends = []
@@ -1231,7 +1252,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             ends.append((got[0], -k, again, why + f" + cool-down relisted ({was[0]:g} -> {got[0]:g})"))
         else:
             ends.append((was[0], -k, order, why))
-    _, _, best, how = min(ends, key=lambda e: e[:2])
+    ms, _, best, how = min(ends, key=lambda e: e[:2])
+    # The relisted cool-down may leave gaps that justification fills (never longer).
+    got, score = justify.justify(P, justify.Graph(P), best, P.evaluate(best))
+    if score[0] < ms - EPS:
+        best, how = got, how + f" + justified ({ms:g} -> {score[0]:g})"
     # Moves of single ops may leave two of a kind out of microbatch order on a stage; in
     # order, gradients add up as in the non-pipelined model (never longer, same memory).
     best = P.encode(microbatch_order.relabel([[P.op(i) for i in o] for o in best]))
