@@ -160,19 +160,20 @@ def justify(P, g: Graph, order: List[List[int]], score: Tuple[float, float, floa
     return best, best_score
 
 
-def justify_search(P, order: List[List[int]], tries: int, seed: int = 0,
-                   noise: float = 0.5) -> Tuple[List[List[int]], float]:
-    """`tries` random restarts around the plan: its eager start times plus Gaussian noise
-    (`noise` mean ops), list-scheduled in that order and justified; a result no longer than
-    the current plan becomes the current plan (so plateaus are crossed).  Returns the
-    shortest order that fits and its makespan (the start's if none is shorter)."""
+def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: float = 0.5,
+                   rounds: int = 4) -> Tuple[List[List[int]], float]:
+    """The plan justified (up to `rounds` rounds), then `tries` random restarts around it:
+    its eager start times plus Gaussian noise (`noise` mean ops), list-scheduled in that order
+    and justified once (a second round rarely gains there); a result no longer than the
+    current plan becomes the current plan (so plateaus are crossed).  Returns the shortest
+    order that fits and its makespan (the start's if none is shorter)."""
     rng = random.Random(seed)
     g = Graph(P)
     sigma = noise * sum(P.span) / P.n
     score = P.evaluate(order)
     if score is None or not P.fits(order):
         return order, math.inf
-    cur, cur_score = justify(P, g, order, score)
+    cur, cur_score = justify(P, g, order, score, rounds)
     best, best_ms = cur, cur_score[0]
     gauss = rng.gauss
     for _ in range(tries):
@@ -185,7 +186,7 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0,
         new_score = P.evaluate(got[0])
         if new_score is None or not P.fits(got[0]):
             continue
-        new, new_score = justify(P, g, got[0], new_score)
+        new, new_score = justify(P, g, got[0], new_score, rounds=1)
         if new_score[0] < cur_score[0] + EPS:
             cur, cur_score = new, new_score
             if new_score[0] < best_ms - EPS:

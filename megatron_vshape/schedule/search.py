@@ -43,8 +43,7 @@ candidates and keeps the shortest under the simulator's rules:
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest-period
     blocks likewise), then on the plan, then on that with rules that wait for the op they
-    prefer instead of starting another just before it is ready (`hold`), and the winner
-    justified once more;
+    prefer instead of starting another just before it is ready (`hold`);
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
     moves above may leave two ops of a kind out of order, which changes the order gradients
     are added in; relabelled, the plan is no longer and holds the same memory.
@@ -1196,9 +1195,11 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     finalists = []
     # Justified (list-scheduled backward, then forward), with random restarts around the
     # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
-    # ones a few (JUSTIFY_LONG_WORK ops of list scheduling), then none.
+    # ones a few (JUSTIFY_LONG_WORK ops of list scheduling), then none and one round (a second
+    # costs what the first did and gained nothing at pp=16, m=128 or pp=32, m=256).
     tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
-    got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts))
+    got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
+                                     rounds=4 if tries else 1)
     plain = score  # a late start below that would have displaced the plan is relisted too
     if ms < score[0] - EPS:
         if n_ops > RELAX_OPS:  # long runs: relisted at the end too, it may relist shorter
@@ -1252,11 +1253,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             ends.append((got[0], -k, again, why + f" + cool-down relisted ({was[0]:g} -> {got[0]:g})"))
         else:
             ends.append((was[0], -k, order, why))
-    ms, _, best, how = min(ends, key=lambda e: e[:2])
-    # The relisted cool-down may leave gaps that justification fills (never longer).
-    got, score = justify.justify(P, justify.Graph(P), best, P.evaluate(best))
-    if score[0] < ms - EPS:
-        best, how = got, how + f" + justified ({ms:g} -> {score[0]:g})"
+    _, _, best, how = min(ends, key=lambda e: e[:2])
     # Moves of single ops may leave two of a kind out of microbatch order on a stage; in
     # order, gradients add up as in the non-pipelined model (never longer, same memory).
     best = P.encode(microbatch_order.relabel([[P.op(i) for i in o] for o in best]))

@@ -104,9 +104,15 @@ def test_justify_search_is_seeded_and_never_longer():
     assert a[1] == P.evaluate(a[0])[0] <= P.evaluate(order)[0] and P.fits(a[0])
 
 
-def test_v_auto_reaches_the_best_known_schedules_below_v_half():
-    # pp=4, budget 0.625 (5 stage-activations per rank), m 9..12 with a hop latency: CP-SAT's
-    # best in 100 s is 82 at m=11 (the plan was 84 before justify_search) and 63.7 at m=9 with
-    # 2,2.2,1.6,0.05 (65.4 before).
-    assert simulate(registry.build("v-auto", 4, 11, HOP, memory_budget=0.625)).makespan <= 82 + 1e-9
-    assert simulate(registry.build("v-auto", 4, 9, SKEWED, memory_budget=0.625)).makespan <= 63.7 * 1.02
+# CP-SAT's best schedules in 100 s (hinted with the plan) at pp=4, budget 0.625 (5
+# stage-activations per rank), where the planner was furthest off before justify_search (2.70%
+# above them on average, 3.65% at most; docs/planner.md, "Where the search is weakest").
+BEST_KNOWN = {(HOP, 9): 68.5, (HOP, 10): 75, (HOP, 11): 82, (HOP, 12): 88.5,
+              (SKEWED, 9): 63.7, (SKEWED, 10): 70.2, (SKEWED, 11): 76.3, (SKEWED, 12): 82.9}
+
+
+def test_v_auto_comes_within_2_percent_of_the_best_known_schedules_below_v_half():
+    gaps = [simulate(registry.build("v-auto", 4, m, costs, memory_budget=0.625)).makespan / best - 1
+            for (costs, m), best in BEST_KNOWN.items()]
+    assert sum(gaps) / len(gaps) <= 0.02, gaps
+    assert max(gaps) <= 0.03, gaps
