@@ -789,7 +789,7 @@ STEPS = (-3, -2, -1, 1, 2, 3)  # how far improve() and relax() move an op on its
 RELAX_CHAIN = 0.3  # the share of relax()'s moves that are chain moves (_chain_move)
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
 JUSTIFY_TRIES = 150  # justify_search()'s restarts at up to RELAX_FULL_OPS ops (fewer by ops beyond, to RELAX_OPS)
-JUSTIFY_LONG_WORK = 6_000  # beyond RELAX_OPS ops: restarts x ops
+JUSTIFY_LONG_WORK = 4_000  # beyond RELAX_OPS ops: restarts x ops
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
 
@@ -1195,11 +1195,13 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     finalists = []
     # Justified (list-scheduled backward, then forward), with random restarts around the
     # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
-    # ones a few (JUSTIFY_LONG_WORK ops of list scheduling), then none and one round (a second
-    # costs what the first did and gained nothing at pp=16, m=128 or pp=32, m=256).
+    # ones a few (JUSTIFY_LONG_WORK ops of list scheduling), then none.  The plan itself is
+    # justified in two rounds, beyond that in one: a third gained nothing at pp=16, m=20 to
+    # 128, and a second costs what the first did and gained nothing at pp=16, m=128 or pp=32,
+    # m=256.
     tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
     got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
-                                     rounds=4 if tries else 1)
+                                     rounds=2 if tries else 1)
     plain = score  # a late start below that would have displaced the plan is relisted too
     if ms < score[0] - EPS:
         if n_ops > RELAX_OPS:  # long runs: relisted at the end too, it may relist shorter
