@@ -44,7 +44,6 @@ class Graph:
     (an F takes its stage's size, a W frees it) and in the mirror problem (the other way)."""
 
     def __init__(self, P):
-        self.P = P
         n = P.n
         self.ahead: List[List[Tuple[int, float]]] = [P.inputs(o) for o in range(n)]
         self.behind: List[List[Tuple[int, float]]] = [[] for _ in range(n)]
