@@ -776,8 +776,9 @@ IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
 RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # relax()'s moves for one plan, up to RELAX_FULL_OPS ops (beyond, fewer by the square): a named
 # V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
-# the named plan it includes having spent those: half of what it was before justify_search
-# (after it) took that time, which finds more per second (docs/planner.md, "Justification").
+# the named plan it includes having spent those.  v-auto's own share is half of what it was
+# before justify_search (run after relax) took that time: it finds more per second there
+# (docs/planner.md, "Justification").
 RELAX_MOVES_NAMED = 15_000
 RELAX_MOVES = 30_000  # with m <= p (improve()'s refit starts need time there)
 RELAX_MOVES_MANY = 46_500  # with m > p, between V-Min's and V-Half's caps
