@@ -139,9 +139,7 @@ def justify(P, g: Graph, order: List[List[int]], score: Tuple[float, float, floa
     makespan drops (at most `rounds` times); the order kept if no shorter one fits."""
     best, best_score = order, score
     for _ in range(rounds):
-        end = P.blank()
-        P.run(best, math.inf, end, [0] * P.pp, [0.0] * P.pp)
-        got = schedule(P, g, [-e for e in end[:P.n]], backward=True)
+        got = schedule(P, g, [-e for e in P.ends(best)[:P.n]], backward=True)
         if got is None:
             break
         late = got[1]
@@ -174,12 +172,10 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
         return order, math.inf
     cur, cur_score = justify(P, g, order, score, rounds)
     best, best_ms = cur, cur_score[0]
+    starts = [e - s for e, s in zip(P.ends(cur), P.span)]  # of the current plan
     gauss = rng.gauss
     for _ in range(tries):
-        end = P.blank()
-        P.run(cur, math.inf, end, [0] * P.pp, [0.0] * P.pp)
-        key = [e - s + gauss(0.0, sigma) for e, s in zip(end, P.span)]
-        got = schedule(P, g, key)
+        got = schedule(P, g, [t + gauss(0.0, sigma) for t in starts])
         if got is None:
             continue
         new_score = P.evaluate(got[0])
@@ -188,6 +184,7 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
         new, new_score = justify(P, g, got[0], new_score, rounds=1)
         if new_score[0] < cur_score[0] + EPS:
             cur, cur_score = new, new_score
+            starts = [e - s for e, s in zip(P.ends(cur), P.span)]
             if new_score[0] < best_ms - EPS:
                 best, best_ms = new, new_score[0]
     return best, best_ms

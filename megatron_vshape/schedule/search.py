@@ -168,6 +168,13 @@ class Problem:
         wait for (a W waits for nobody)."""
         return self.run(order, limit, self.blank(), [0] * self.pp, [0.0] * self.pp)
 
+    def ends(self, order: Sequence[Sequence[int]]) -> List[float]:
+        """Every op's end time in the eager run of `order` (blank()'s layout: NOT_DONE for
+        an op a deadlock left unrun)."""
+        end = self.blank()
+        self.run(order, math.inf, end, [0] * self.pp, [0.0] * self.pp)
+        return end
+
     def blank(self) -> List[float]:
         """run()'s `end` before any op ran: NOT_DONE for every op, then the sentinel input,
         done at 0."""
@@ -739,8 +746,7 @@ def delayed(P: Problem, order: Sequence[Sequence[int]], first: int) -> List[List
     caps the proven optima run those B's about this much later than our constructions do,
     behind the second chunk's work: they fill the cool-down, where ranks otherwise wait."""
     S, pp, span = P.S, P.pp, P.span
-    end = P.blank()
-    P.run(order, math.inf, end, [0] * pp, [0.0] * pp)
+    end = P.ends(order)
     shift = sum(span[3 * s + k] for s in range(S) for k in range(3)) / pp
     moved = {3 * (j * S + s) + k for j in range(first, P.m) for s in range(pp) for k in (1, 2)}
     def when(o: int) -> float:

@@ -1,8 +1,6 @@
 """Justification (schedule/justify.py): list scheduling a plan backward then forward never
 lengthens it, keeps every rank under the cap, and the random restarts around it reach what
 the local moves did not."""
-import math
-
 import pytest
 
 from megatron_vshape.schedule import justify, registry, search
@@ -35,9 +33,7 @@ def greedy_start(P):
 
 
 def eager(P, order):
-    end = P.blank()
-    P.run(order, math.inf, end, [0] * P.pp, [0.0] * P.pp)
-    return end[:P.n]
+    return P.ends(order)[:P.n]
 
 
 CASES = [(4, 9, HOP, 0.625, None), (3, 7, SKEWED, 0.667, None), (5, 6, Costs(1, 2, 1, 0.1), 0.8, None),
