@@ -158,15 +158,22 @@ def justify(P, g: Graph, order: List[List[int]], score: Tuple[float, float, floa
 
 
 def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: float = 0.5,
-                   rounds: int = 4) -> Tuple[List[List[int]], float]:
+                   rounds: int = 4, kicks: int = 0) -> Tuple[List[List[int]], float]:
     """The plan justified (up to `rounds` rounds), then `tries` random restarts around it:
     its eager start times plus Gaussian noise (`noise` mean ops), list-scheduled in that order
     and justified once (a second round rarely gains there); a result no longer than the
-    current plan becomes the current plan (so plateaus are crossed).  Returns the shortest
-    order that fits and its makespan (the start's if none is shorter)."""
+    current plan becomes the current plan (so plateaus are crossed).  Then `kicks` restarts
+    more that also push the first chunk's backward (its B's and W's on every rank) of the
+    microbatches from a random one on later, by a random fraction of one microbatch's work on
+    a rank: the shape of the proven optima between V-Half's and V-ZB's caps (search.delayed()
+    moves a whole microbatch's work), which independent noise per op almost never draws.
+    Returns the shortest order that fits and its makespan (the start's if none is shorter)."""
     rng = random.Random(seed)
     g = Graph(P)
     sigma = noise * sum(P.span) / P.n
+    S, pp = P.S, P.pp
+    shift = sum(P.span[:3 * S]) / pp  # one microbatch's work on a rank
+    first_back = [o % 3 != 0 and (o // 3) % S < pp for o in range(P.n)]  # first chunk's B's and W's
     score = P.evaluate(order)
     if score is None or not P.fits(order):
         return order, math.inf
@@ -174,8 +181,12 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     best, best_ms = cur, cur_score[0]
     starts = [e - s for e, s in zip(P.ends(cur), P.span)]  # of the current plan
     gauss = rng.gauss
-    for _ in range(tries):
-        got = schedule(P, g, [t + gauss(0.0, sigma) for t in starts])
+    for k in range(tries + kicks):
+        key = [t + gauss(0.0, sigma) for t in starts]
+        if k >= tries:  # microbatches from op id `late` on, by `by`
+            late, by = rng.randrange(P.m) * 3 * S, rng.random() * shift
+            key = [t + by if o >= late and first_back[o] else t for o, t in enumerate(key)]
+        got = schedule(P, g, key)
         if got is None:
             continue
         new_score = P.evaluate(got[0])

@@ -798,6 +798,7 @@ RELAX_CHAIN = 0.3  # the share of relax()'s moves that are chain moves (_chain_m
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
 JUSTIFY_TRIES = 150  # justify_search()'s restarts at up to RELAX_FULL_OPS ops (fewer by ops beyond, to RELAX_OPS)
 JUSTIFY_LONG_WORK = 4_000  # beyond RELAX_OPS ops: restarts x ops
+JUSTIFY_KICKS = 0.5  # where delay_search() runs: restarts more (x tries) that delay the first chunk's backward too
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
 
@@ -1209,7 +1210,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # m=256.
     tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
     got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
-                                     rounds=2 if tries else 1)
+                                     rounds=2 if tries else 1, kicks=int(tries * JUSTIFY_KICKS) if delaying else 0)
     plain = score  # a late start below that would have displaced the plan is relisted too
     if ms < score[0] - EPS:
         if n_ops > RELAX_OPS:  # long runs: relisted at the end too, it may relist shorter

@@ -100,6 +100,26 @@ def test_justify_search_is_seeded_and_never_longer():
     assert a[1] == P.evaluate(a[0])[0] <= P.evaluate(order)[0] and P.fits(a[0])
 
 
+
+def test_kicked_restarts_continue_from_the_plain_ones_and_reach_the_delayed_shape(monkeypatch):
+    # Between V-Half's and V-ZB's caps (pp=3, cap 5), from the plan without them: the plain
+    # restarts stay at 42; the kicks, which delay the first chunk's backward, reach 41.5 (the
+    # proven optimum is 41; docs/planner.md, "Against the exact reference").
+    P = problem(3, 6, HOP, 5 / 6)
+    monkeypatch.setattr(search, "JUSTIFY_KICKS", 0)
+    search._plan.cache_clear()
+    try:
+        order = P.encode(registry.build("v-auto", 3, 6, HOP, memory_budget=5 / 6).ranks)
+    finally:
+        search._plan.cache_clear()  # no plan without kicks stays cached for other tests
+    assert P.evaluate(order)[0] == 42
+    plain = justify.justify_search(P, [o[:] for o in order], 150, seed=5)
+    kicked = justify.justify_search(P, [o[:] for o in order], 150, seed=5, kicks=75)
+    assert kicked == justify.justify_search(P, [o[:] for o in order], 150, seed=5, kicks=75)
+    assert plain[1] == 42 and kicked[1] <= plain[1] and kicked[1] == P.evaluate(kicked[0])[0] and P.fits(kicked[0])
+    assert kicked[1] <= 41.5 + 1e-9
+    verify(P.schedule("v-auto", kicked[0], 5 / 6, None, {}))
+
 # CP-SAT's best schedules in 100 s (hinted with the plan) at pp=4, budget 0.625 (5
 # stage-activations per rank), where the planner was furthest off before justify_search (2.70%
 # above them on average, 3.65% at most; docs/planner.md, "Where the search is weakest").
