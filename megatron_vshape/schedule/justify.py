@@ -20,7 +20,9 @@ wait on another rank's behalf, which no single move of the local searches reache
 that order, justifies, and keeps the result when it is no longer: random restarts around the
 plan, each one landing on a justified (locally tight) schedule.  On the planner's weakest
 instances (pp=4 between V-Min's and V-Half's budgets, m 9..12, a hop latency or unequal F, B,
-W) it reaches schedules that `relax`'s moves did not within many times the work.
+W) it reaches schedules that `relax`'s moves did not within many times the work.  Its
+kicked restarts, which also delay the first chunk's backward by part of a microbatch, reach
+the shape of the optima between V-Half's and V-ZB's caps.
 
 Pure Python and deterministic (seeded; the work is a count of list-scheduled ops), so every
 rank computes the same plan.
