@@ -173,9 +173,9 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     rng = random.Random(seed)
     g = Graph(P)
     sigma = noise * sum(P.span) / P.n
-    S, pp = P.S, P.pp
-    shift = sum(P.span[:3 * S]) / pp  # one microbatch's work on a rank
-    first_back = [o % 3 != 0 and (o // 3) % S < pp for o in range(P.n)]  # first chunk's B's and W's
+    if kicks:
+        S, shift = P.S, P.microbatch_work()
+        first_back = [o % 3 != 0 and (o // 3) % S < P.pp for o in range(P.n)]  # first chunk's B's and W's
     score = P.evaluate(order)
     if score is None or not P.fits(order):
         return order, math.inf

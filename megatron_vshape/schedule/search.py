@@ -168,6 +168,11 @@ class Problem:
         wait for (a W waits for nobody)."""
         return self.run(order, limit, self.blank(), [0] * self.pp, [0.0] * self.pp)
 
+    def microbatch_work(self) -> float:
+        """One microbatch's work (every stage's F, B and W) divided over the ranks: how far
+        delayed() and justify_search()'s kicks push the first chunk's backward."""
+        return sum(self.span[:3 * self.S]) / self.pp
+
     def ends(self, order: Sequence[Sequence[int]]) -> List[float]:
         """Every op's end time in the eager run of `order` (blank()'s layout: NOT_DONE for
         an op a deadlock left unrun)."""
@@ -747,7 +752,7 @@ def delayed(P: Problem, order: Sequence[Sequence[int]], first: int) -> List[List
     behind the second chunk's work: they fill the cool-down, where ranks otherwise wait."""
     S, pp, span = P.S, P.pp, P.span
     end = P.ends(order)
-    shift = sum(span[3 * s + k] for s in range(S) for k in range(3)) / pp
+    shift = P.microbatch_work()
     moved = {3 * (j * S + s) + k for j in range(first, P.m) for s in range(pp) for k in (1, 2)}
     def when(o: int) -> float:
         return end[o] - span[o] + (shift if o in moved else 0.0)
