@@ -181,7 +181,7 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
         return order, math.inf
     cur, cur_score = justify(P, g, order, score, rounds)
     best, best_ms = cur, cur_score[0]
-    starts = [e - s for e, s in zip(P.ends(cur), P.span)]  # of the current plan
+    starts = P.starts(cur)  # of the current plan
     gauss = rng.gauss
     for k in range(tries + kicks):
         key = [t + gauss(0.0, sigma) for t in starts]
@@ -197,7 +197,7 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
         new, new_score = justify(P, g, got[0], new_score, rounds=1)
         if new_score[0] < cur_score[0] + EPS:
             cur, cur_score = new, new_score
-            starts = [e - s for e, s in zip(P.ends(cur), P.span)]
+            starts = P.starts(cur)
             if new_score[0] < best_ms - EPS:
                 best, best_ms = new, new_score[0]
     return best, best_ms

@@ -180,6 +180,10 @@ class Problem:
         self.run(order, math.inf, end, [0] * self.pp, [0.0] * self.pp)
         return end
 
+    def starts(self, order: Sequence[Sequence[int]]) -> List[float]:
+        """Every op's start time in the eager run of `order` (ends() less each op's span)."""
+        return [e - s for e, s in zip(self.ends(order), self.span)]
+
     def blank(self) -> List[float]:
         """run()'s `end` before any op ran: NOT_DONE for every op, then the sentinel input,
         done at 0."""
@@ -750,12 +754,12 @@ def delayed(P: Problem, order: Sequence[Sequence[int]], first: int) -> List[List
     goes forward in time and the new order cannot deadlock.  Between V-Half's and V-ZB's
     caps the proven optima run those B's about this much later than our constructions do,
     behind the second chunk's work: they fill the cool-down, where ranks otherwise wait."""
-    S, pp, span = P.S, P.pp, P.span
-    end = P.ends(order)
+    S, pp = P.S, P.pp
+    start = P.starts(order)
     shift = P.microbatch_work()
     moved = {3 * (j * S + s) + k for j in range(first, P.m) for s in range(pp) for k in (1, 2)}
     def when(o: int) -> float:
-        return end[o] - span[o] + (shift if o in moved else 0.0)
+        return start[o] + (shift if o in moved else 0.0)
     return [sorted(ops, key=when) for ops in order]  # stable: ties keep their order
 
 

@@ -46,7 +46,7 @@ def test_in_the_plans_start_order_every_op_lands_no_later(pp, m, costs, budget, 
     order = greedy_start(P)
     end = eager(P, order)
     g = justify.Graph(P)
-    ranks, got = justify.schedule(P, g, [e - s for e, s in zip(end, P.span)])
+    ranks, got = justify.schedule(P, g, P.starts(order))
     assert sorted(o for r in ranks for o in r) == list(range(P.n))
     assert all(got[o] <= end[o] + 1e-9 for o in range(P.n))
     assert P.fits(ranks)
@@ -58,7 +58,7 @@ def test_the_backward_schedule_mirrors_the_plan_within_its_span_and_cap(pp, m, c
     P = problem(pp, m, costs, budget, unequal(pp) if stages else None)
     order = greedy_start(P)
     end = eager(P, order)
-    start = [e - s for e, s in zip(end, P.span)]
+    start = P.starts(order)
     ranks, late = justify.schedule(P, justify.Graph(P), [-e for e in end], backward=True)
     horizon = max(end)
     # Mirrored, each op ends no later than its start in the plan, seen from the plan's end.
