@@ -167,7 +167,7 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     current plan becomes the current plan (so plateaus are crossed).  Then `kicks` restarts
     more that also push the first chunk's backward (its B's and W's on every rank) of the
     microbatches from a random one on later, by a random fraction of one microbatch's work on
-    a rank: the shape of the proven optima between V-Half's and V-ZB's caps (search.delayed()
+    a rank: the shape of the proven optima between V-Half's and V-ZB's caps (local.delayed()
     moves a whole microbatch's work), which independent noise per op almost never draws.
     Returns the shortest order that fits and its makespan (the start's if none is shorter)."""
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ with every W lifted out and put back into the first free slots, since W's left i
 cool-down block the B's the previous rank waits for.
 
 Slots only fix an order per rank: the search times that order with the real costs and
-improves it.  Op ids are search.Problem's integers.
+improves it.  Op ids are problem.Problem's integers.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_vshape.schedule import justify, registry, search
 from megatron_vshape.schedule.ops import Costs, StageCost, stage_table
+from megatron_vshape.schedule.problem import Problem
 from megatron_vshape.schedule.simulate import simulate
 from megatron_vshape.schedule.verify import verify
 
@@ -15,7 +16,7 @@ SKEWED = Costs(2, 2.2, 1.6, 0.05)
 def problem(pp, m, costs, budget, table=None):
     costs = costs.per_stage(2)
     table = table or stage_table(costs, 2 * pp, None)
-    return search.Problem(pp, m, costs, table, search.cap_of(pp, m, budget, table))
+    return Problem(pp, m, costs, table, search.cap_of(pp, m, budget, table))
 
 
 def unequal(pp):

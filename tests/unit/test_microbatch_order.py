@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron_vshape.schedule import microbatch_order, registry, search
+from megatron_vshape.schedule import listing, local, microbatch_order, problem, registry, search
 from megatron_vshape.schedule.baselines import one_f_one_b
 from megatron_vshape.schedule.ops import B, BW, W, Costs, Op, StageCost, stage_table
 from megatron_vshape.schedule.simulate import peak_activations, simulate
@@ -55,12 +55,12 @@ def _raw_search_orders(n):
         table = stage_table(costs, 2 * pp, [StageCost(rng.uniform(1, 10), rng.uniform(0.5, 10), rng.uniform(0.2, 3),
                                                       rng.choice([1.0, 1.0, 1.5])) for _ in range(2 * pp)])
         budget = rng.choice([search.min_budget(pp), 1.0, 1.5])
-        P = search.Problem(pp, m, costs, table, search.cap_of(pp, m, budget, table))
+        P = problem.Problem(pp, m, costs, table, search.cap_of(pp, m, budget, table))
         try:
-            order = search.greedy(P, "F1 B1 F0 B0", 1.0, "one")
+            order = listing.greedy(P, "F1 B1 F0 B0", 1.0, "one")
         except search.Stuck:
             continue
-        order, _ = search.improve(P, order, 20_000, seed=1)
+        order, _ = local.improve(P, order, 20_000, seed=1)
         yield P, budget, order
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from megatron_vshape import cli
-from megatron_vshape.schedule import registry, search, slots, vshape
+from megatron_vshape.schedule import listing, local, problem, registry, search, slots, vshape
 from megatron_vshape.schedule.choose import fastest_within
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.frontier import frontier
@@ -82,9 +82,9 @@ def test_a_move_reruns_only_what_it_can_change():
     # improve's incremental run equals a whole run after any move, kept or not, deadlocks too.
     costs = Costs.parse("2,2.2,1.6,0.05").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 8, costs, table, search.cap_of(4, 8, 0.625))
+    P = problem.Problem(4, 8, costs, table, search.cap_of(4, 8, 0.625))
     order = [list(o) for o in search._plan("v-auto", 4, 8, costs, table, 0.625)[0]]
-    rerun, rng, deadlocks = search._Rerun(P, order), random.Random(0), 0
+    rerun, rng, deadlocks = problem.Rerun(P, order), random.Random(0), 0
     for _ in range(1500):
         moved = _random_move(order, rng, (-6, -3, -1, 1, 2, 5))
         if moved is None:
@@ -108,9 +108,9 @@ def test_a_trial_against_a_limit_fails_exactly_when_the_run_ends_after_it():
     sc = [StageCost(1.0, 1.1, 0.8, 1.0)] * 8
     sc[0], sc[1], sc[7] = StageCost(1.2, 1.3, 0.9, 1.35), StageCost(0.9, 1.0, 0.7, 0.85), StageCost(1.6, 1.9, 1.1, 1.7)
     table = stage_table(costs, 8, sc)
-    P = search.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.75))
+    P = problem.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.75))
     order = [list(o) for o in search._plan("v-auto", 4, 7, costs, table, 0.75)[0]]
-    rerun, rng, kinds = search._Rerun(P, order), random.Random(1), set()
+    rerun, rng, kinds = problem.Rerun(P, order), random.Random(1), set()
     for _ in range(1500):
         moved = _random_move(order, rng, (-3, -2, -1, 1, 2, 3))
         if moved is None:
@@ -138,16 +138,16 @@ def test_relax_keeps_the_overflow_area_of_every_move_exact():
     sc = [StageCost(1.0, 1.0, 1.0, 1.0)] * 8
     sc[0], sc[7] = StageCost(1.0, 1.0, 1.0, 1.3), StageCost(1.0, 1.0, 1.0, 0.7)
     table = stage_table(costs, 8, sc)
-    P = search.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
+    P = problem.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
     order = [list(o) for o in search._plan("v-auto", 4, 6, costs, table, 0.625)[0]]
     lives = [list(P.live(o)) for o in order]
-    areas = [search._overflow_area(P, o) for o in order]
+    areas = [local._overflow_area(P, o) for o in order]
     rng, over = random.Random(2), 0
     for k in range(3000):
-        changes = (search._chain_move if k % 3 == 0 else search._single_move)(P, order, rng)
+        changes = (local._chain_move if k % 3 == 0 else local._single_move)(P, order, rng)
         for r, (new, lo) in changes.items():
-            got = search._area_after(P, order[r], new, lo, lives[r], areas[r])
-            assert got == pytest.approx(search._overflow_area(P, new), abs=1e-9)
+            got = local._area_after(P, order[r], new, lo, lives[r], areas[r])
+            assert got == pytest.approx(local._overflow_area(P, new), abs=1e-9)
             if rng.random() < 0.7:  # drift, over the cap too
                 order[r], lives[r], areas[r] = new, list(P.live(new)), got
                 over += got > 0
@@ -160,7 +160,7 @@ def test_a_chain_move_moves_one_op_on_every_rank_and_reruns_exactly():
     # equals a whole run.
     costs = Costs.parse("2,2,2,0.25").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.625))
+    P = problem.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.625))
     order = [list(o) for o in search._plan("v-auto", 4, 7, costs, table, 0.625)[0]]
 
     def moves(a, b):  # (microbatch, slot, chunk, places) of each single op moved from a to b
@@ -170,9 +170,9 @@ def test_a_chain_move_moves_one_op_on_every_rank_and_reruns_exactly():
                 out.add((o // 24, o % 3, (o // 3) % 8 >= 4, b.index(o) - a.index(o)))
         return out
 
-    rerun, rng, sizes = search._Rerun(P, order), random.Random(0), []
+    rerun, rng, sizes = problem.Rerun(P, order), random.Random(0), []
     for _ in range(600):
-        changes = search._chain_move(P, order, rng)
+        changes = local._chain_move(P, order, rng)
         sizes.append(len(changes))
         if not changes:
             continue
@@ -298,11 +298,11 @@ def test_cli_budget_and_stage_costs(tmp_path, capsys):
 def test_w_replacement_keeps_every_ranks_forwards_and_backwards():
     s = registry.build("v-half", 4, 8, SKEWED)
     per_stage = SKEWED.per_stage(2)
-    P = search.Problem(4, 8, per_stage, [search.StageCost(per_stage.F, per_stage.B, per_stage.W)] * 8,
+    P = problem.Problem(4, 8, per_stage, [search.StageCost(per_stage.F, per_stage.B, per_stage.W)] * 8,
                        search.cap_of(4, 8, s.memory_budget))
     order = P.encode(s.ranks)
     for theta in search.RETIME_THETAS:
-        got = search.greedy(P, "", theta, follow=order)
+        got = listing.greedy(P, "", theta, follow=order)
         assert [[o for o in ops if o % 3 != 2] for ops in got] == [[o for o in ops if o % 3 != 2] for ops in order]
         assert P.fits(got)
         verify(P.schedule("v-half", got, s.memory_budget, None, {}))
@@ -313,14 +313,14 @@ def test_refit_brings_an_order_under_a_smaller_cap():
     # stage-activation more, repaired under the cap, keep every op and fit it.
     costs = Costs.parse("2,2.2,1.6,0.05").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 0.625))
+    P = problem.Problem(4, 4, costs, table, search.cap_of(4, 4, 0.625))
     got = search._refit_candidates(P)
     assert got
     for score, order, how in got:
         assert "refit to 5" in how and score == P.evaluate(order)
         assert P.fits(order) and P.evaluate(order) is not None
         assert sorted(o for ops in order for o in ops) == list(range(3 * 4 * 8))  # every F, B and W once
-    wide = search.Problem(4, 4, costs, table, search.cap_of(4, 4, 2.0))
+    wide = problem.Problem(4, 4, costs, table, search.cap_of(4, 4, 2.0))
     assert search._refit_candidates(wide) == []  # the cap holds every activation already
 
 
@@ -329,9 +329,9 @@ def test_relax_crosses_the_cap_and_returns_an_order_that_fits():
     # proven optimum 45.1, before relax); relax() goes through orders over the cap and back.
     costs = Costs.parse("2,2.2,1.6,0.05").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
+    P = problem.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
     start = [list(o) for o in search._plan("v-auto", 4, 6, costs, table, 0.5)[0]]  # V-Min's plan fits
-    got, ms = search.relax(P, [o[:] for o in start], 20_000, seed=1)
+    got, ms = local.relax(P, [o[:] for o in start], 20_000, seed=1)
     assert P.fits(got) and P.evaluate(got)[0] == pytest.approx(ms, abs=1e-9)
     assert sorted(o for ops in got for o in ops) == list(range(3 * 6 * 8))  # every F, B and W once
     assert ms < P.evaluate(start)[0] - 1e-9
@@ -363,7 +363,7 @@ def test_futile_moves_are_exactly_the_same_rank_deadlocks_and_microbatch_swaps()
     # op it feeds there), or swaps two microbatches of one kind and stage out of order.
     costs = Costs.parse("2,2,2,0.25").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
+    P = problem.Problem(4, 6, costs, table, search.cap_of(4, 6, 0.625))
     order = [list(o) for o in search._plan("v-auto", 4, 6, costs, table, 0.5)[0]]
 
     def bad_pairs(ops, o):
@@ -406,9 +406,9 @@ def test_delayed_moves_the_first_chunks_backward_one_microbatch_and_cannot_deadl
     # its rank, the order runs, and those B's start no earlier than before.
     costs = Costs.parse("2,2,2,0.25").per_stage(2)
     table = stage_table(costs, 8, None)
-    P = search.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.875))
+    P = problem.Problem(4, 7, costs, table, search.cap_of(4, 7, 0.875))
     order = [list(o) for o in search._plan("v-half", 4, 7, costs, table, 0.75)[0]]
-    got = search.delayed(P, order, first)
+    got = local.delayed(P, order, first)
     assert [sorted(a) for a in got] == [sorted(a) for a in order]
     assert P.evaluate(got) is not None
     before, after = P.blank(), P.blank()
@@ -437,13 +437,13 @@ def test_a_kept_prefix_is_run_exactly_and_the_rest_by_the_rule():
     # itself; a shorter prefix is kept and the rest still holds every op once, within the cap.
     costs = Costs.parse("10,10,8,1").per_stage(2)
     table = stage_table(costs, 20, None)
-    P = search.Problem(10, 18, costs, table, 13)
-    order = search.greedy(P, *search.RULES[0])
-    for rule in search.RULES:
-        assert search.greedy(P, *rule, keep=order) == order
+    P = problem.Problem(10, 18, costs, table, 13)
+    order = listing.greedy(P, *listing.RULES[0])
+    for rule in listing.RULES:
+        assert listing.greedy(P, *rule, keep=order) == order
     keep = [ops[:len(ops) // 2] for ops in order]
-    for rule in search.RULES:
-        got = search.greedy(P, *rule, keep=keep)
+    for rule in listing.RULES:
+        got = listing.greedy(P, *rule, keep=keep)
         assert all(g[:len(k)] == k and sorted(g) == sorted(o) for g, k, o in zip(got, keep, order))
         assert P.fits(got) and P.evaluate(got) is not None
 
@@ -454,14 +454,14 @@ def test_every_rule_resumes_from_one_shared_kept_prefix():
     # it was, whatever ran from it before.
     costs = Costs.parse("10,10,8,1").per_stage(2)
     table = stage_table(costs, 20, None)
-    P = search.Problem(10, 18, costs, table, 13)
+    P = problem.Problem(10, 18, costs, table, 13)
     order, _ = search._squeezed_candidates(P)[0]
     for cut in (0.2, 0.6, 0.9, 1.0):
         keep = [ops[:int(len(ops) * cut)] for ops in order]
-        shared = search.kept_prefix(P, keep)
+        shared = listing.kept_prefix(P, keep)
         assert any(len(o) < len(k) for o, k in zip(shared.out, keep)) == (cut < 1.0)
-        for rule in search.RULES + search.RULES[:2]:
-            assert search.greedy(P, *rule, keep=keep, start=shared) == search.greedy(P, *rule, keep=keep)
+        for rule in listing.RULES + listing.RULES[:2]:
+            assert listing.greedy(P, *rule, keep=keep, start=shared) == listing.greedy(P, *rule, keep=keep)
 
 
 def test_relist_replans_a_squeezed_cool_down_shorter():
@@ -470,12 +470,12 @@ def test_relist_replans_a_squeezed_cool_down_shorter():
     # list-scheduled anew under the real costs is shorter, fits, and relist() is deterministic.
     costs = Costs.parse("10,10,8,1").per_stage(2)
     table = stage_table(costs, 20, None)
-    P = search.Problem(10, 18, costs, table, 13)
+    P = problem.Problem(10, 18, costs, table, 13)
     order, _ = search._squeezed_candidates(P)[0]
-    score, got = search.relist(P, order)
+    score, got = listing.relist(P, order)
     assert score[0] < P.evaluate(order)[0] - 1 and P.fits(got)
-    assert search.relist(P, order) == (score, got)
-    assert search.relist(P, got)[1] is got  # nothing shorter from its own result: kept as is
+    assert listing.relist(P, order) == (score, got)
+    assert listing.relist(P, got)[1] is got  # nothing shorter from its own result: kept as is
 
 
 def test_relist_from_the_last_second_chunk_f_when_microbatches_are_few():
@@ -484,15 +484,15 @@ def test_relist_from_the_last_second_chunk_f_when_microbatches_are_few():
     # shorter relisted plan, kept up to a late chunk-1 F it does (450).
     costs = Costs.parse("10,10,2,1").per_stage(2)
     table = stage_table(costs, 22, None)
-    P = search.Problem(11, 12, costs, table, 19)
+    P = problem.Problem(11, 12, costs, table, 19)
     order, _ = search._squeezed_candidates(P)[0]
     before = P.evaluate(order)[0]
-    score, got = search.relist(P, order)
+    score, got = listing.relist(P, order)
     assert score[0] <= before - 10 and P.fits(got) and P.evaluate(got) == score
     def kept_to_chunk_1_f(mb):
         at = [ops.index(3 * (mb * P.S + P.S - 1 - r)) for r, ops in enumerate(order)]
         return all(g[:i + 1] == o[:i + 1] for g, o, i in zip(got, order, at))
-    assert any(kept_to_chunk_1_f(11 - k) for k in range(search.RELIST_BACK + 1))
+    assert any(kept_to_chunk_1_f(11 - k) for k in range(listing.RELIST_BACK + 1))
 
 
 def test_hold_waits_for_the_preferred_op_in_the_cool_down():
@@ -502,14 +502,14 @@ def test_hold_waits_for_the_preferred_op_in_the_cool_down():
     # chain through every rank waits for.  The rules that wait for it (hold) relist the plan to
     # 472; without hold, greedy() is the list scheduler it was.
     costs = Costs.parse("12,10,2,0").per_stage(2)
-    P = search.Problem(4, 18, costs, stage_table(costs, 8, None), 7)
+    P = problem.Problem(4, 18, costs, stage_table(costs, 8, None), 7)
     order, _ = search._squeezed_candidates(P)[0]
     keep = [ops[:len(ops) * 3 // 4] for ops in order]
-    for rule in search.RULES:
-        assert search.greedy(P, *rule, keep=keep, hold=0.0) == search.greedy(P, *rule, keep=keep)
-    held = [search.greedy(P, *rule[:3], keep=keep, hold=rule[3]) for rule in search.HOLD_RULES]
+    for rule in listing.RULES:
+        assert listing.greedy(P, *rule, keep=keep, hold=0.0) == listing.greedy(P, *rule, keep=keep)
+    held = [listing.greedy(P, *rule[:3], keep=keep, hold=rule[3]) for rule in listing.HOLD_RULES]
     assert all(P.fits(o) and P.evaluate(o) is not None for o in held)
-    assert any(o != search.greedy(P, *rule[:3], keep=keep) for o, rule in zip(held, search.HOLD_RULES))
+    assert any(o != listing.greedy(P, *rule[:3], keep=keep) for o, rule in zip(held, listing.HOLD_RULES))
     s = registry.build("v-auto", 4, 18, Costs.parse("12,10,2,0"), memory_budget=0.875)
     assert simulate(s).makespan <= 472 + 1e-9, s.meta["plan"]
 
@@ -521,14 +521,14 @@ def test_squeezed_blocks_are_ranked_by_their_relisted_cool_down():
     # four are carried on.  Ranked by the cool-down relisted from its first keep point, one
     # is carried, and the raw best still is (so no plan gets longer).
     costs = Costs.parse("2,2,2,0").per_stage(2)
-    P = search.Problem(7, 19, costs, stage_table(costs, 14, None), 9)
+    P = problem.Problem(7, 19, costs, stage_table(costs, 14, None), 9)
     blocks = search._paper_blocks(7) + search._top_blocks(P, False)[0]
     raw = search._squeezed_candidates(P, blocks)
     ranked = search._squeezed_candidates(P, blocks, relisted=True)
     assert len(ranked) <= search.STRETCHED + 1 and raw[0] in ranked
 
     def relisted(cands):
-        return min(search.relist(P, order)[0][0] for order, _ in cands)
+        return min(listing.relist(P, order)[0][0] for order, _ in cands)
     assert relisted(raw) == 129 and relisted(ranked) == 128
     s = registry.build("v-auto", 7, 19, Costs.parse("2,2,2,0"), memory_budget=9 / 14)
     assert simulate(s).makespan <= 128 + 1e-9, s.meta["plan"]
@@ -549,7 +549,7 @@ def test_steady_period_counts_the_real_costs_not_the_slots():
     # rank first) leave a bubble in every period, and some longer block leaves none.
     costs = Costs.parse("6,12,8,1").per_stage(2)
     table = stage_table(costs, 18, None)
-    P = search.Problem(9, 20, costs, table, 14)
+    P = problem.Problem(9, 20, costs, table, 14)
     shortest, periodic = search._top_blocks(P, by_period=True)
     work = sum(sum(c[:3]) for c in P.dur[:1] + P.dur[-1:])
     assert work == pytest.approx(26.0)

@@ -4,6 +4,7 @@ import pytest
 
 from megatron_vshape.schedule import search, slots
 from megatron_vshape.schedule.ops import Costs, stage_table
+from megatron_vshape.schedule.problem import Problem
 from megatron_vshape.schedule.verify import verify
 
 SKEWED = Costs(2, 2.2, 1.6, 0.05)
@@ -11,7 +12,7 @@ SKEWED = Costs(2, 2.2, 1.6, 0.05)
 
 def problem(pp, m, budget, costs=SKEWED):
     per_stage = costs.per_stage(2)
-    return search.Problem(pp, m, per_stage, stage_table(per_stage, 2 * pp, None), search.cap_of(pp, m, budget))
+    return Problem(pp, m, per_stage, stage_table(per_stage, 2 * pp, None), search.cap_of(pp, m, budget))
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 5, 8])
