@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Dict, List, Sequence
 
-from .ops import B, BACKWARD_KINDS, BW, F, RELEASE_KINDS, W, Op
+from .ops import B, BACKWARD_KINDS, F, RELEASE_KINDS, W, Op
 
 # The sequences that must each run in microbatch order on a stage: forwards; backwards (B
 # or BW: the input gradient, and the gradients autograd accumulates there); weight
