@@ -67,11 +67,23 @@ def run(pps, factors, cost_sets, budgets=()):
 TIMING_SIZES = ((4, 8), (6, 6), (4, 32), (4, 96), (8, 64), (16, 20), (16, 48), (16, 128), (32, 256))
 
 
+def machine_speed(additions: int = 10**7) -> float:
+    """CPU seconds this interpreter takes for `additions` integer additions in a loop: the
+    planner's work is fixed counts, so its times scale with this (0.69 to 1.26 s on the 2-core
+    machine the README's tables come from, as its speed drifted)."""
+    start, total = time.process_time(), 0
+    for i in range(additions):
+        total += i
+    return time.process_time() - start
+
+
 def timing() -> None:
     """CPU time of one plan (build + verify) per V schedule, each in a fresh cache; CPU time is
-    this process's own cost (on a shared machine the wall clock also counts other work)."""
+    this process's own cost (on a shared machine the wall clock also counts other work).  The
+    machine's speed is measured before and after, since a shared machine's speed drifts."""
     from megatron_vshape.schedule import search
 
+    before = machine_speed()
     print("\nplanning time (build + verify, CPU seconds, one core; wall in brackets), costs 2,2.2,1.6,0.05:")
     names = ["v-min", "v-half", "v-zb", "v-auto@0.7", "v-auto@0.9", "v-auto@1.5"]
     table = []
@@ -89,6 +101,8 @@ def timing() -> None:
                 cells.append("cannot serve: " + str(exc).splitlines()[0][:40])
         table.append(cells)
     print(format_table(["pp", "m"] + names, table))
+    print(f"machine speed: 10^7 additions in a Python loop took {before:.2f} s before the table and "
+          f"{machine_speed():.2f} s after (times scale with it)")
 
 
 def main(argv=None) -> int:
