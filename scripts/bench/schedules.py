@@ -69,8 +69,8 @@ TIMING_SIZES = ((4, 8), (6, 6), (4, 32), (4, 96), (8, 64), (16, 20), (16, 48), (
 
 def machine_speed(additions: int = 10**7) -> float:
     """CPU seconds this interpreter takes for `additions` integer additions in a loop: the
-    planner's work is fixed counts, so its times scale with this (0.69 to 1.26 s on the 2-core
-    machine the README's tables come from, as its speed drifted)."""
+    planner's work is fixed counts, so its times scale with this (on the 2-core machine the
+    README's tables come from it went from 0.47 s to 0.30 s within one table)."""
     start, total = time.process_time(), 0
     for i in range(additions):
         total += i
