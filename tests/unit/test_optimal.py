@@ -22,8 +22,8 @@ needs_ortools = pytest.mark.skipif(not HAVE_ORTOOLS, reason="OR-Tools is not ins
                                                             "(requirements-cpu.txt pins ortools==9.15.6755)")
 TIME_LIMIT = 120.0  # each instance proves in a few seconds; the limit only guards a loaded machine
 
-# Small instances (pp 2..4, m <= 8, and one at m = 10) that prove fast: V schedules under their own budgets, the
-# single placement with a B/W split, and a combined backward.
+# Small instances (pp 2..4, m <= 8, and one at m = 10) that prove fast: V schedules under their
+# own budgets, the single placement with a B/W split, and a combined backward.
 INSTANCES = [
     ("v-half", 2, 4, "2,2.2,1.6,0.05"),
     ("v-min", 3, 3, "2,2.2,1.6,0.05"),
