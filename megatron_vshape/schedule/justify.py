@@ -184,6 +184,8 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     starts = P.starts(cur)  # of the current plan
     gauss = rng.gauss
     for k in range(tries + kicks):
+        if best_ms <= P.bound + EPS:
+            break  # nothing is shorter than the lower bound
         key = [t + gauss(0.0, sigma) for t in starts]
         if k >= tries:  # microbatches from op id `late` on, by `by`
             late, by = rng.randrange(P.m) * 3 * S, rng.random() * shift

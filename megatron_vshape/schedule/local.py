@@ -71,6 +71,8 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
         budget = MAX_SWEEPS * 6 * n_ops
     rng = random.Random(seed)
     best, best_score = [o[:] for o in order], score
+    if score[0] <= P.bound + EPS:
+        budget = 0  # nothing is shorter than the lower bound
 
     def attempt(r: int, i: int, j: int, force: bool = False, sideways: bool = False) -> bool:
         nonlocal score, budget, best, best_score
@@ -89,6 +91,8 @@ def improve(P: Problem, order: List[List[int]], work: int, seed: int = 0, patien
             sim.commit(order)
             if got[0] < best_score[0] - EPS or (got[0] < best_score[0] + EPS and got[tie] < best_score[tie] - EPS):
                 best, best_score = [o[:] for o in order], got
+                if got[0] <= P.bound + EPS:
+                    budget = 0
             return True
         order[r] = ops
         return False
@@ -208,6 +212,8 @@ def relax(P: Problem, order: List[List[int]], moves: int, seed: int = 0) -> Tupl
     value = sim.score[0] + lam * sum(over)
     best, best_ms = [o[:] for o in order], (math.inf if sum(over) else sim.score[0])
     for move in range(moves):
+        if best_ms <= P.bound + EPS:
+            break  # nothing is shorter than the lower bound
         changes = _chain_move(P, order, rng) if rng.random() < RELAX_CHAIN else _single_move(P, order, rng)
         if changes:
             was = {r: (order[r], over[r]) for r in changes}
@@ -257,6 +263,8 @@ def delay_search(P: Problem, order: List[List[int]], moves: int, tries: int) -> 
     makes the run longer."""
     best, best_ms = order, P.evaluate(order)[0]
     for k in range(tries):
+        if best_ms <= P.bound + EPS:
+            break
         start = delayed(P, best, k * P.m // tries)
         if P.evaluate(start) is None:
             continue  # only with ops that take no time, tied on every rank of a cycle

@@ -9,6 +9,7 @@ local moves so that a move re-runs only what it can change.  Pure Python, no tor
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from itertools import accumulate
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -51,6 +52,32 @@ class Problem:
         self.spec = [(self.in1[o], self.hop1[o], self.in2[o], self.hop2[o], self.span[o], tail[(o // 3) % S][o % 3])
                      for o in range(n)]
         self.delta = [(self.size[(o // 3) % S], 0.0, -self.size[(o // 3) % S])[o % 3] for o in range(n)]  # live()'s steps
+
+    @functools.cached_property
+    def bound(self) -> float:
+        """A makespan no order can beat (the memory cap aside).  Each op has a head (its
+        microbatch's chain from the first F to its start) and a tail (the chain after its end,
+        tails()); a rank runs one op at a time, so for any set of its ops the run lasts at
+        least the least head in it, plus their durations, plus the least tail in it.  Taken
+        over every union of a rank's six groups (its two stages' F's, B's and W's of all
+        microbatches, which share head and tail).  The searches stop once a plan reaches it:
+        nothing is shorter (one microbatch, or balanced stages with budget to spare)."""
+        S, dur, m, tail = self.S, self.dur, self.m, self.tails()
+        head = [[0.0, 0.0, 0.0] for _ in range(S)]
+        for s in range(1, S):
+            head[s][0] = head[s - 1][0] + dur[s - 1][0] + self.f_hop[s]
+        head[S - 1][1] = head[S - 1][0] + dur[S - 1][0]
+        for s in range(S - 2, -1, -1):
+            head[s][1] = max(head[s][0] + dur[s][0], head[s + 1][1] + dur[s + 1][1] + self.b_hop[s])
+        for s in range(S):
+            head[s][2] = head[s][1] + dur[s][1]
+        bound = 0.0
+        for r in range(self.pp):
+            groups = [(head[s][k], m * dur[s][k], tail[s][k]) for s in (r, S - 1 - r) for k in range(3)]
+            for mask in range(1, 1 << len(groups)):
+                chosen = [g for i, g in enumerate(groups) if mask >> i & 1]
+                bound = max(bound, min(g[0] for g in chosen) + sum(g[1] for g in chosen) + min(g[2] for g in chosen))
+        return bound
 
     def tails(self) -> List[Tuple[float, float, float]]:
         """Per stage, for its F, B and W: the longest chain of the ops that wait for it (with

@@ -48,6 +48,10 @@ candidates and keeps the shortest under the simulator's rules:
     moves above may leave two ops of a kind out of order, which changes the order gradients
     are added in; relabelled, the plan is no longer and holds the same memory.
 
+A plan that reaches the problem's lower bound (`Problem.bound`) is optimal, so the steps stop
+there: a start at the bound is the plan, the local searches end when they reach it, and the
+late starts and final relists are skipped.
+
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
 Results are cached per problem in-process.
@@ -388,6 +392,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # refit ones (other basins again).
     starts = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
     starts += [c for c in refits if all(c[0][:2] != s[0][:2] for s in starts)]
+    starts.sort(key=lambda c: c[0][0] > P.bound + EPS)  # a start at the lower bound is the plan:
+    del starts[1 if starts[0][0][0] <= P.bound + EPS else len(starts):]  # the steps below stop there
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
@@ -482,7 +488,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             how += f" + relaxed again ({score[0]:g} -> {ms:g})"
             score, best = P.evaluate(got), got
     for k, late in enumerate((relisted, by_period)):
-        if not late:
+        if not late or score[0] <= P.bound + EPS:
             continue
         # The best relisted block, then the best of the shortest periods, each improved with a
         # quarter of one start's share (planning time), kept if shorter: starts in their own
@@ -501,6 +507,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # shorter): each plan is at most as long as without the late starts.
     ends = []
     for k, (was, order, why) in enumerate(finalists + [(score, best, how)]):
+        if was[0] <= P.bound + EPS:
+            ends.append((was[0], -k, order, why + " (reaches the lower bound: optimal)"))
+            continue
         prefixes: Dict[Tuple[int, int], Listed] = {}
         mine = [list(o) for o in order]
         got, again = relist(P, mine, prefixes=prefixes)

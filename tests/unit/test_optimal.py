@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from megatron_vshape.schedule import export, optimal, registry
-from megatron_vshape.schedule.ops import Costs, StageCost
+from megatron_vshape.schedule import export, optimal, problem, registry
+from megatron_vshape.schedule.ops import Costs, StageCost, stage_table
 from megatron_vshape.schedule.simulate import simulate
 
 try:
@@ -93,6 +93,17 @@ def test_planner_within_two_percent_of_optimum(inst):
     assert result.status == "optimal", result.to_dict()
     gap = simulate(schedule).makespan / result.makespan - 1
     assert gap <= 0.02, f"{ID(inst)}: planner {simulate(schedule).makespan:g} vs optimum {result.makespan:g}: {gap:.2%}"
+
+
+@needs_ortools
+@pytest.mark.parametrize("inst", [i for i in INSTANCES if i[0].startswith("v-")], ids=ID)
+def test_the_planners_lower_bound_is_below_the_optimum(inst):
+    # The searches stop at problem.Problem.bound: it must never pass a proven optimum.
+    schedule, result = _solved(*inst)
+    name, pp, m, costs = inst[:4]
+    per_stage = Costs.parse(costs).per_stage(2)
+    bound = problem.Problem(pp, m, per_stage, stage_table(per_stage, 2 * pp, None), 2 * pp).bound
+    assert bound <= result.makespan + 1e-9
 
 
 @needs_ortools

@@ -568,3 +568,42 @@ def test_v_auto_starts_from_the_shortest_real_cost_period_too():
     assert "(period 26)" in s.meta["plan"]
     assert simulate(s).makespan <= 1283
     assert max(simulate(s).peak_vs_1f1b) <= 14 / 18 + 1e-9
+
+
+def _problem(pp, m, costs, stages=None):
+    per_stage = costs.per_stage(2)
+    return problem.Problem(pp, m, per_stage, stage_table(per_stage, 2 * pp, stages), 2 * pp)
+
+
+def test_the_lower_bound_is_below_every_plan_and_tight_where_nothing_waits():
+    # One microbatch: its chain from the first F to the last W (pp=14: 28 stages of 0.5 each
+    # way, then one W).  Balanced stages without hop latency under V-ZB: the last rank's wait
+    # for its first F plus all its work.
+    assert _problem(14, 1, Costs(1, 1, 1, 0)).bound == pytest.approx(28 * 0.5 + 28 * 0.5 + 0.5)
+    assert _problem(4, 8, Costs(1, 1, 1, 0)).bound == pytest.approx(3 * 0.5 + 8 * 3)
+    rng = random.Random(5)
+    for _ in range(8):
+        pp, costs = rng.randint(2, 5), Costs(*(round(rng.uniform(0.3, 3), 2) for _ in range(3)), rng.choice([0, 0.3]))
+        m = rng.randint(1, 2 * pp)
+        stages = [StageCost(*(round(rng.uniform(0.2, 2), 2) for _ in range(3))) for _ in range(2 * pp)] if rng.random() < 0.5 else None
+        bound = _problem(pp, m, costs, stages).bound
+        for name in ("v-min", "v-half", "v-zb"):
+            try:
+                s = registry.build(name, pp, m, costs, stage_costs=stages)
+            except ConfigError:
+                continue
+            assert simulate(s).makespan >= bound - 1e-9, (name, pp, m, costs)
+
+
+@pytest.mark.parametrize("pp, m, costs, budget", [(14, 1, Costs(1, 1, 1, 0), 2.0), (4, 8, Costs(1, 1, 1, 0), 1.0),
+                                                  (5, 4, Costs(1, 1, 1, 0), 1.17)])
+def test_a_plan_at_the_lower_bound_is_optimal_and_the_search_stops_there(pp, m, costs, budget):
+    # Nothing is shorter than the bound, so the steps after a plan reaches it are skipped (a
+    # single microbatch took 2-4 s of local moves that could not gain); the plan says so.
+    s = registry.build("v-auto", pp, m, costs, memory_budget=budget)
+    assert simulate(s).makespan == pytest.approx(_problem(pp, m, costs).bound)
+    assert s.meta["plan"].endswith("(reaches the lower bound: optimal)")
+    P = _problem(pp, m, costs)
+    order = P.encode(s.ranks)
+    assert local.improve(P, [o[:] for o in order], 10**6)[0] == order  # stops at once
+    assert local.relax(P, [o[:] for o in order], 1000)[0] == order
