@@ -23,6 +23,7 @@ from .schedule.export import to_dict as export_dict
 from .schedule.export import write as export_write
 from .schedule.ops import Costs, Schedule, check_sizes
 from .schedule.predictions import Prediction, predict
+from .schedule.search import lower_bound
 from .schedule.simulate import SimResult, simulate
 
 EXIT_IO_ERROR = EXIT_RUN_ERROR
@@ -52,6 +53,9 @@ def summary(schedule: Schedule, sim: SimResult) -> dict:
     """The export's figures without the op lists, plus the papers' prediction."""
     out = {k: v for k, v in export_dict(schedule, sim).items() if k != "ranks"}
     out["prediction"] = prediction_of(schedule).to_dict()
+    bound = lower_bound(schedule)
+    if bound is not None:
+        out["lower_bound"] = bound
     return out
 
 
@@ -103,6 +107,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if schedule.meta.get("plan"):
         print(f"plan              {schedule.meta['plan']}")
     print(f"makespan          {sim.makespan:g}")
+    bound = lower_bound(schedule)
+    if bound is not None:
+        reached = sim.makespan <= bound * (1 + 1e-9)
+        print(f"lower bound       {bound:g}  (no order of these ops is shorter, whatever the memory: "
+              + ("reached, so the plan is optimal)" if reached else f"the plan is {_pct(sim.makespan / bound - 1)} above it)"))
     print(f"bubble rate       {_pct(sim.bubble_rate)}")
     print(f"span bubble rate  {_pct(sim.span_bubble_rate)}")
     print(f"peak activations  {' '.join(str(p) for p in sim.peak_activations)}  (stage-activations per rank)")

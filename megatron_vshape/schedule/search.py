@@ -547,6 +547,15 @@ def plan(name: str, pp: int, microbatches: int, costs: Optional[Costs], budget: 
     return verify(s)
 
 
+def lower_bound(schedule: Schedule) -> Optional[float]:
+    """Problem.bound of a V-shape schedule's problem (its costs and stage costs): no order of
+    its ops is shorter, whatever the memory; None for other placements."""
+    if schedule.placement.kind != "v" or not schedule.split_backward:
+        return None
+    pp, S = schedule.pp, 2 * schedule.pp
+    return Problem(pp, schedule.microbatches, schedule.costs, stage_table(schedule.costs, S, schedule.stage_costs), math.inf).bound
+
+
 DEFAULT_BUDGET = 1.0  # v-auto without a budget: the fastest V within 1F1B's activation memory
 
 

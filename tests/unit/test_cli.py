@@ -38,6 +38,20 @@ def test_plan_json_and_options():
     assert len(out["peak_vs_1f1b"]) == 4 and 0 < out["bubble_rate"] < 1 and "ranks" not in out
 
 
+def test_plan_prints_the_lower_bound_of_a_v_shape_plan():
+    # V-ZB at pp=4, m=8, costs 1,1,1,0 has no bubble but rank 3's wait for its first F: it
+    # reaches the bound (3 * 0.5 + 8 * 3); a tight budget leaves its plan above it.  Only the V
+    # plans have one.
+    r = run("plan", "--schedule", "v-zb", "--pp", "4", "--microbatches", "8")
+    assert r.returncode == 0, r.stderr
+    assert "lower bound       25.5  (no order of these ops is shorter, whatever the memory: reached, so the plan is optimal)" in r.stdout
+    assert "(reaches the lower bound: optimal)" in r.stdout
+    r = run("plan", "--schedule", "v-min", "--pp", "4", "--microbatches", "8", "--json")
+    out = json.loads(r.stdout)
+    assert out["lower_bound"] == pytest.approx(25.5) and out["makespan"] > out["lower_bound"]
+    assert "lower bound" not in run("plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8").stdout
+
+
 def test_compare_has_every_schedule_and_reasons_instead_of_crashes():
     r = run("compare", "--pp", "4", "--microbatches", "6", "--json")
     assert r.returncode == 0, r.stderr
