@@ -4,7 +4,8 @@ baselines as points beside it; as a table and as a picture (SVG by hand, PNG wit
 matplotlib when it is installed).
 
 Each step's figure is the best schedule found at that budget or any smaller one (a
-schedule that fits a smaller budget fits this one too), so the curve never rises.
+schedule that fits a smaller budget fits this one too), so the curve never rises; once it
+reaches the problem's lower bound (search.lower_bound) the larger budgets are not planned.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import List, Optional, Sequence
 from . import registry
 from .errors import ConfigError
 from .ops import Costs, StageCost
-from .search import budget_steps
+from .search import budget_steps, lower_bound
 from .simulate import simulate
 
 BASELINES = ("1f1b", "1f1b-interleaved", "zb-h1", "zb-h2")
@@ -38,15 +39,17 @@ def frontier(pp: int, microbatches: int, costs: Optional[Costs] = None,
              stage_costs: Optional[Sequence[StageCost]] = None) -> List[Point]:
     """The v-auto points (budget ascending) then the baselines that serve these sizes."""
     points: List[Point] = []
-    best = None
+    best, bound = None, None
     for _, budget in budget_steps(pp, microbatches):
-        try:
-            s = registry.build("v-auto", pp, microbatches, costs, stage_costs=stage_costs, memory_budget=budget)
-        except ConfigError:
-            continue
-        sim = simulate(s)
-        if best is None or sim.makespan < best.makespan - 1e-9:
-            best = Point("v-auto", budget, max(sim.peak_vs_1f1b), sim.makespan, sim.bubble_rate)
+        if best is None or best.makespan > bound * (1 + 1e-9):  # once at the lower bound, nothing is shorter
+            try:
+                s = registry.build("v-auto", pp, microbatches, costs, stage_costs=stage_costs, memory_budget=budget)
+            except ConfigError:
+                continue
+            sim = simulate(s)
+            bound = lower_bound(s)
+            if best is None or sim.makespan < best.makespan - 1e-9:
+                best = Point("v-auto", budget, max(sim.peak_vs_1f1b), sim.makespan, sim.bubble_rate)
         points.append(Point("v-auto", budget, best.peak_vs_1f1b, best.makespan, best.bubble_rate))
     for name in BASELINES:
         try:

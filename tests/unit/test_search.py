@@ -279,6 +279,22 @@ def test_frontier_never_rises_and_has_the_baselines(tmp_path):
     assert svg.read_text().startswith("<svg") and "v-auto" in svg.read_text()
 
 
+def test_frontier_stops_planning_at_the_lower_bound(monkeypatch):
+    # Balanced stages, no hop latency: from some budget on a plan reaches the bound, so the
+    # larger budgets are not planned; every point is what planning each budget gives.
+    costs, built = Costs(1, 1, 1, 0), []
+    build = registry.build
+    monkeypatch.setattr(registry, "build", lambda name, *a, **k: built.append(name) or build(name, *a, **k))
+    auto = [p for p in frontier(3, 6, costs) if p.schedule == "v-auto"]
+    steps = search.budget_steps(3, 6)
+    assert len(auto) == len(steps) and built.count("v-auto") < len(steps)
+    assert auto[-1].makespan == pytest.approx(_problem(3, 6, costs).bound)
+    best = math.inf
+    for p, (_, budget) in zip(auto, steps):
+        best = min(best, simulate(build("v-auto", 3, 6, costs, memory_budget=budget)).makespan)
+        assert p.makespan == pytest.approx(best)
+
+
 def test_cli_budget_and_stage_costs(tmp_path, capsys):
     sc = tmp_path / "sc.json"
     sc.write_text(json.dumps({"stage_costs": [{"F": 1, "B": 1.1, "W": 0.8}] * 8}))
