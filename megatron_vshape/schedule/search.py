@@ -392,8 +392,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # refit ones (other basins again).
     starts = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
     starts += [c for c in refits if all(c[0][:2] != s[0][:2] for s in starts)]
-    starts.sort(key=lambda c: c[0][0] > P.bound + EPS)  # a start at the lower bound is the plan:
-    del starts[1 if starts[0][0][0] <= P.bound + EPS else len(starts):]  # the steps below stop there
+    optimal = [c for c in starts if c[0][0] <= P.bound + EPS]
+    if optimal:
+        starts = optimal[:1]  # at the lower bound already: the plan (the steps below stop at once)
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
     if any(c[1] == -1 for c in cands):
         work //= 2  # half the work was spent improving the named plan included above
