@@ -47,7 +47,7 @@ def frontier(pp: int, microbatches: int, costs: Optional[Costs] = None,
             except ConfigError:
                 continue
             sim = simulate(s)
-            bound = lower_bound(s)
+            bound = lower_bound(s) if bound is None else bound  # the same at every budget
             if best is None or sim.makespan < best.makespan - 1e-9:
                 best = Point("v-auto", budget, max(sim.peak_vs_1f1b), sim.makespan, sim.bubble_rate)
         points.append(Point("v-auto", budget, best.peak_vs_1f1b, best.makespan, best.bubble_rate))
