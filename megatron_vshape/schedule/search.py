@@ -474,15 +474,16 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             finalists.append((score, best, how))
         how += f" + justified ({score[0]:g} -> {ms:g})"
         score, best = P.evaluate(got), got
-    if (relaxing or delaying) and n_ops > RELAX_FULL_OPS:
+    if relaxing and n_ops > RELAX_FULL_OPS:
         # Beyond RELAX_FULL_OPS ops the moves above fall as the square of RELAX_FULL_OPS / ops,
         # and the planning time with them: from pp=5 on (m near p) that left plans up to 3%
         # above the best known, which more moves reach.  So one more relax() from the best,
         # with the moves that bring the total to RELAX_FULL_OPS / ops of the full count
         # (about the same planning time at every size): kept if shorter, and the plan it
-        # displaces is relisted at the end too (a relist may shorten it more).
-        full = moves if relaxing else DELAY_MOVES * min(m, DELAY_TRIES)
-        more = full * (RELAX_FULL_OPS / n_ops - fewer)
+        # displaces is relisted at the end too (a relist may shorten it more).  Not after
+        # delay_search(): there it gained 0.05% a plan for 0.3-0.4 s, the least per second of
+        # any step, where those plans are the slowest (docs/planner.md, "Planning time").
+        more = moves * (RELAX_FULL_OPS / n_ops - fewer)
         got, ms = relax(P, [list(o) for o in best], int(more), seed=len(starts) + 1)
         if ms < score[0] - EPS:
             finalists.append((score, best, how))
