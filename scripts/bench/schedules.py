@@ -63,8 +63,9 @@ def run(pps, factors, cost_sets, budgets=()):
 # (4, 96) and (16, 20): just under 3000 and 2000 ops, where v-auto also plans the named
 # V-shape below its budget and short runs get the last improvement pass (the slowest plans);
 # (4, 8) and (6, 6): up to 400 ops, where v-auto between the named budgets also runs relax()
-# (and at (4, 8), budget 0.9, between V-Half's and V-ZB's, delay_search()).
-TIMING_SIZES = ((4, 8), (6, 6), (4, 32), (4, 96), (8, 64), (16, 20), (16, 48), (16, 128), (32, 256))
+# (and at (4, 8), budget 0.9, between V-Half's and V-ZB's, delay_search()); (4, 14): 336 ops,
+# where relax() (0.7) and delay_search() (0.9) run on plans past 200 ops, the slowest short runs.
+TIMING_SIZES = ((4, 8), (6, 6), (4, 14), (4, 32), (4, 96), (8, 64), (16, 20), (16, 48), (16, 128), (32, 256))
 
 
 def machine_speed(additions: int = 10**7) -> float:
