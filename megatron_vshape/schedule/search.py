@@ -111,7 +111,7 @@ RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, v-auto's improve() gets 1/RELAX_SHARE of its work when relax() runs
 DELAY_MOVES = 6_000  # relax()'s moves after each delay (fewer by the square beyond RELAX_FULL_OPS ops)
 JUSTIFY_TRIES = 150  # justify_search()'s restarts at up to RELAX_FULL_OPS ops (fewer by ops beyond, to RELAX_OPS)
-JUSTIFY_LONG_WORK = 12_000  # beyond RELAX_OPS ops: restarts x ops (docs/planner.md, "Planning time": the time RANK_RELIST_WORK gave up)
+JUSTIFY_LONG_WORK = 12_000  # beyond RELAX_OPS ops: restarts x ops (docs/planner.md, "Planning time")
 JUSTIFY_KICKS = 0.5  # where delay_search() runs: restarts more (x tries) that delay the first chunk's backward too
 DELAY_TRIES = 6  # delay_search()'s tries at most (the planning time of short runs stays about 1.2 s)
 
@@ -200,7 +200,7 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
 
 BLOCK_OPS = 16_000  # ops squeezed for the uniform-offset blocks of one problem: bounds CPU time
 STRETCHED = 4  # squeezed candidates carried to full length
-RANK_RELIST_WORK = 20_000  # greedy ops for ranking squeezed candidates by their relisted cool-down (long runs)
+RANK_RELIST_WORK = 40_000  # greedy ops for ranking squeezed candidates by their relisted cool-down
 PERIOD_OPS = BLOCK_OPS // 2  # the same for the blocks of the shortest real-cost periods (a last start)
 PERIOD_STRETCHED = 2
 WHOLE_OPS = 3000  # runs of up to this many ops are squeezed at full length
@@ -462,8 +462,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # Justified (list-scheduled backward, then forward), with random restarts around the
     # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
     # ones JUSTIFY_LONG_WORK ops of list scheduling (30 restarts at 400 ops, 3 at 4,000, 1 up
-    # to 12,000), then none.  On long runs with m near p a restart finds more per second than
-    # the relists that rank more squeezed candidates (RANK_RELIST_WORK).  The plan itself is
+    # to 12,000), then none: on long runs with m near p justification is the step that finds
+    # the most per second, and more restarts never lengthen a plan.  The plan itself is
     # justified in two rounds, beyond that in one: a third gained nothing at pp=16, m=20 to
     # 128, and a second costs what the first did and gained nothing at pp=16, m=128 or pp=32,
     # m=256.

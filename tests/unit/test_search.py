@@ -530,21 +530,17 @@ def test_hold_waits_for_the_preferred_op_in_the_cool_down():
     assert simulate(s).makespan <= 472 + 1e-9, s.meta["plan"]
 
 
-def test_squeezed_blocks_are_ranked_by_their_relisted_cool_down(monkeypatch):
+def test_squeezed_blocks_are_ranked_by_their_relisted_cool_down():
     # pp=7, m=19, 2,2,2,0 (per stage 1,1,1,0) at cap 9 of 14: the paper's adaptive scheduler's
     # schedule replays to 128; ours was 129.  The squeeze's own cool-down ranked the blocks
     # that relist to 128 (130 as squeezed) behind six at 129 that relist to no less, and only
-    # four are carried on.  Ranked by the cool-down relisted from its first keep point (given
-    # the work to rank a dozen; the default ranks six and the plan reaches 128 through its
-    # justification restarts instead), one is carried, and the raw best still is (so no plan
-    # gets longer).
+    # four are carried on.  Ranked by the cool-down relisted from its first keep point, one
+    # is carried, and the raw best still is (so no plan gets longer).
     costs = Costs.parse("2,2,2,0").per_stage(2)
     P = problem.Problem(7, 19, costs, stage_table(costs, 14, None), 9)
     blocks = search._paper_blocks(7) + search._top_blocks(P, False)[0]
     raw = search._squeezed_candidates(P, blocks)
-    with monkeypatch.context() as patched:
-        patched.setattr(search, "RANK_RELIST_WORK", 40_000)
-        ranked = search._squeezed_candidates(P, blocks, relisted=True)
+    ranked = search._squeezed_candidates(P, blocks, relisted=True)
     assert len(ranked) <= search.STRETCHED + 1 and raw[0] in ranked
 
     def relisted(cands):
