@@ -16,9 +16,9 @@ every later position.  An op can only land earlier than where the order it came 
 justified plan is never longer, and the gaps it fills change the order: an op moved into a
 wait on another rank's behalf, which no single move of the local searches reaches.
 
-`justify_search` perturbs the plan's start times with seeded noise, list-schedules the ops in
-that order, justifies, and keeps the result when it is no longer: random restarts around the
-plan, each one landing on a justified (locally tight) schedule.  On the planner's weakest
+`justify_search` perturbs the start times in a random window of the plan with seeded noise,
+list-schedules the ops in that order, justifies, and keeps the result when it is no longer:
+random restarts around the plan, each one landing on a justified (locally tight) schedule.  On the planner's weakest
 instances (pp=4 between V-Min's and V-Half's budgets, m 9..12, a hop latency or unequal F, B,
 W) it reaches schedules that `relax`'s moves did not within many times the work.  Its
 kicked restarts, which also delay the first chunk's backward by part of a microbatch, reach
@@ -159,12 +159,20 @@ def justify(P, g: Graph, order: List[List[int]], score: Tuple[float, float, floa
     return best, best_score
 
 
+WINDOW = 0.35  # the share of the makespan a plain restart perturbs (docs/planner.md, "Justification")
+WINDOW_NOISE = 1.0  # in mean ops, inside that window
+
+
 def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: float = 0.5,
                    rounds: int = 4, kicks: int = 0) -> Tuple[List[List[int]], float]:
     """The plan justified (up to `rounds` rounds), then `tries` random restarts around it:
-    its eager start times plus Gaussian noise (`noise` mean ops), list-scheduled in that order
-    and justified once (a second round rarely gains there); a result no longer than the
-    current plan becomes the current plan (so plateaus are crossed).  Then `kicks` restarts
+    the start times of the ops in a random window of the current plan (WINDOW of its
+    makespan) plus Gaussian noise (WINDOW_NOISE mean ops), the rest as they were,
+    list-scheduled in that order and justified once (a second round rarely gains there); a
+    result no longer than the current plan becomes the current plan (so plateaus are
+    crossed).  Noise on a window rebuilds one stretch of the plan at a time: over the
+    planner's weakest instances it gained about what twice the restarts with noise on every
+    op (`noise` mean ops) did.  Then `kicks` restarts
     more that also push the first chunk's backward (its B's and W's on every rank) of the
     microbatches from a random one on later, by a random fraction of one microbatch's work on
     a rank: the shape of the proven optima between V-Half's and V-ZB's caps (local.delayed()
@@ -172,7 +180,8 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     Returns the shortest order that fits and its makespan (the start's if none is shorter)."""
     rng = random.Random(seed)
     g = Graph(P)
-    sigma = noise * sum(P.span) / P.n
+    mean_op = sum(P.span) / P.n
+    sigma, inside = noise * mean_op, WINDOW_NOISE * mean_op
     if kicks:
         S, shift = P.S, P.microbatch_work()
         first_back = [o % 3 != 0 and (o // 3) % S < P.pp for o in range(P.n)]  # first chunk's B's and W's
@@ -186,9 +195,13 @@ def justify_search(P, order: List[List[int]], tries: int, seed: int = 0, noise: 
     for k in range(tries + kicks):
         if best_ms <= P.bound + EPS:
             break  # nothing is shorter than the lower bound
-        key = [t + gauss(0.0, sigma) for t in starts]
-        if k >= tries:  # microbatches from op id `late` on, by `by`
+        if k < tries:
+            lo = rng.random() * cur_score[0] - WINDOW * cur_score[0] / 2
+            hi = lo + WINDOW * cur_score[0]
+            key = [t + gauss(0.0, inside) if lo <= t <= hi else t for t in starts]
+        else:  # microbatches from op id `late` on, by `by`
             late, by = rng.randrange(P.m) * 3 * S, rng.random() * shift
+            key = [t + gauss(0.0, sigma) for t in starts]
             key = [t + by if o >= late and first_back[o] else t for o, t in enumerate(key)]
         got = schedule(P, g, key)
         if got is None:

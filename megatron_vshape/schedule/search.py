@@ -105,7 +105,8 @@ RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # (docs/planner.md, "Justification").
 RELAX_MOVES_NAMED = 15_000
 RELAX_MOVES = 30_000  # with m <= p (improve()'s refit starts need time there)
-RELAX_MOVES_MANY = 46_500  # with m > p, between V-Min's and V-Half's caps
+RELAX_MOVES_MANY = 31_000  # with m > p, between V-Min's and V-Half's caps; v-auto's own 16,000 are half
+JUSTIFY_MANY = 3  # of what they were, their time given to JUSTIFY_MANY x the restarts (they find more there)
 RELAX_MOVES_ABOVE = 32_500  # with m > p above V-ZB's cap (moves cost more where the cap rarely binds)
 RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, v-auto's improve() gets 1/RELAX_SHARE of its work when relax() runs
@@ -468,6 +469,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # 128, and a second costs what the first did and gained nothing at pp=16, m=128 or pp=32,
     # m=256.
     tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
+    if relaxing and not named and m > pp and cap < zb_cap - EPS:  # between V-Min's and V-Half's caps
+        tries *= JUSTIFY_MANY  # paid for by half of relax()'s moves (docs/planner.md, "Justification")
     got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
                                      rounds=2 if tries else 1, kicks=int(tries * JUSTIFY_KICKS) if delaying else 0)
     plain = score  # a late start below that would have displaced the plan is relisted too

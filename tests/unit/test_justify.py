@@ -131,5 +131,7 @@ BEST_KNOWN = {(HOP, 9): 68.5, (HOP, 10): 75, (HOP, 11): 82, (HOP, 12): 88.5,
 def test_v_auto_comes_within_2_percent_of_the_best_known_schedules_below_v_half():
     gaps = [simulate(registry.build("v-auto", 4, m, costs, memory_budget=0.625)).makespan / best - 1
             for (costs, m), best in BEST_KNOWN.items()]
-    assert sum(gaps) / len(gaps) <= 0.02, gaps
-    assert max(gaps) <= 0.03, gaps
+    # Each within 2%, the exact reference's bar (the largest 1.70%, the mean 0.66%; 2.51% and
+    # 1.17% before justify_search's window restarts took half of relax()'s moves there).
+    assert sum(gaps) / len(gaps) <= 0.01, gaps
+    assert max(gaps) <= 0.02, gaps
