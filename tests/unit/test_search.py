@@ -630,3 +630,28 @@ def test_a_plan_at_the_lower_bound_is_optimal_and_the_search_stops_there(pp, m, 
     order = P.encode(s.ranks)
     assert local.improve(P, [o[:] for o in order], 10**6)[0] == order  # stops at once
     assert local.relax(P, [o[:] for o in order], 1000)[0] == order
+
+
+def _embedding_heavier(pp, F, B, W, k):
+    # Per-stage times F, B, W; the embedding stage k times them and 1.3x the activation.
+    return [StageCost(F * k, B * k, W * k, 1.3)] + [StageCost(F, B, W)] * (2 * pp - 1)
+
+
+def test_v_auto_with_unequal_sizes_starts_from_the_blocks_for_unit_sizes_too():
+    # pp=3, m=10 at V-Min's budget (cap 4), the embedding stage 1.4x the times and 1.3x the
+    # activation: blocks built for these sizes left the plan at 322 (5.8% above the optimum
+    # 304.4, proven by CP-SAT); the blocks for plain sizes, relaxed under the cap, reach it.
+    stages = _embedding_heavier(3, 2, 6, 4, 1.4)
+    s = registry.build("v-auto", 3, 10, Costs(4, 12, 8, 0), memory_budget=2 / 3, stage_costs=stages)
+    assert simulate(s).makespan == pytest.approx(304.4)
+    assert "for stage sizes of 1" in s.meta["plan"]
+    assert max(simulate(s).peak_activations) <= 4 + 1e-9
+
+
+def test_v_auto_at_v_halfs_budget_searches_on_from_the_named_plan():
+    # pp=4, m=9 at V-Half's budget (cap 6), a 1.44x embedding stage of 1.3x the activation: the
+    # named plan's share of the search stopped at 170.58 (5.7% above the optimum 161.368).
+    stages = _embedding_heavier(4, 2, 2.6, 2.2, 1.44)
+    s = registry.build("v-auto", 4, 9, Costs(4, 5.2, 4.4, 0.5), memory_budget=0.75, stage_costs=stages)
+    assert simulate(s).makespan <= 1.02 * 161.368
+    assert max(simulate(s).peak_activations) <= 6 + 1e-9
