@@ -441,7 +441,8 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # searches on as between them: with unequal stages the named plan's share of the search
     # left plans up to 5.8% above the optimum there (docs/planner.md, "Justification").
     half_cap, zb_cap = (cap_of(pp, m, b(pp), table) for _, b in NAMED_BUDGETS[1:])
-    between = n_ops <= RELAX_OPS and below is not None and (cap > cap_of(pp, m, below[1], table) + EPS or cap < zb_cap - EPS)
+    at_named = below is not None and cap < cap_of(pp, m, below[1], table) + EPS
+    between = n_ops <= RELAX_OPS and below is not None and (not at_named or cap < zb_cap - EPS)
     delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     named = name in dict(NAMED_BUDGETS)
     relaxing = (between and not delaying) or (named and n_ops <= RELAX_OPS and RELAX_MOVES_NAMED > 0)
@@ -503,7 +504,7 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     # 128, and a second costs what the first did and gained nothing at pp=16, m=128 or pp=32,
     # m=256.
     tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
-    if relaxing and not named and m > pp and cap < zb_cap - EPS:  # between V-Min's and V-Half's caps
+    if relaxing and not named and not at_named and m > pp and cap < zb_cap - EPS:  # between V-Min's and V-Half's caps
         tries *= JUSTIFY_MANY  # paid for by half of relax()'s moves (docs/planner.md, "Justification")
     got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
                                      rounds=2 if tries else 1, kicks=int(tries * JUSTIFY_KICKS) if delaying else 0)
