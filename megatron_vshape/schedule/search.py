@@ -106,8 +106,8 @@ RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # (docs/planner.md, "Justification").
 RELAX_MOVES_NAMED = 15_000
 RELAX_MOVES = 30_000  # with m <= p (improve()'s refit starts need time there)
-RELAX_MOVES_MANY = 31_000  # with m > p, between V-Min's and V-Half's caps; v-auto's own 16,000 are half
-JUSTIFY_MANY = 3  # of what they were, their time given to JUSTIFY_MANY x the restarts (they find more there)
+RELAX_MOVES_MANY = 31_000  # with m > p, between V-Min's and V-Half's caps (v-auto's own 16,000: half of
+JUSTIFY_MANY = 3  # what they were, their time given to JUSTIFY_MANY x justify_search()'s restarts there)
 RELAX_MOVES_ABOVE = 32_500  # with m > p above V-ZB's cap (moves cost more where the cap rarely binds)
 RELAX_FULL_OPS = 200
 RELAX_SHARE = 2  # with m > p, v-auto's improve() gets 1/RELAX_SHARE of its work when relax() runs
@@ -411,11 +411,9 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
         for score, order, how in _refit_candidates(P):
             refits.append((score, 200 + len(refits), order, how))
-    unit_moves = 0
     if name == "v-auto" and n_ops <= RELAX_OPS and len(set(P.size)) > 1 and cap < cap_of(pp, m, 1.0, table) - EPS:
         # Below V-ZB's cap, where the sizes decide what fits: another basin again.
-        unit_moves = int(UNIT_SIZE_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2)
-        got = _unit_size_start(P, budget, unit_moves)
+        got = _unit_size_start(P, budget, int(UNIT_SIZE_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2))
         if got is not None:
             refits.append((got[0], 300, got[1], got[2]))
     if not cands + refits:
