@@ -143,7 +143,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
                                       f"(exit code {p.exitcode}); see its output above")
             if now > deadline:
                 missing = [r for r in range(world_size) if r not in out]
-                raise LaunchError(f"launch timed out after {timeout:.0f}s: rank(s) {missing} of {world_size} "
+                raise LaunchError(f"launch timed out after {timeout:g}s: rank(s) {missing} of {world_size} "
                                   f"did not finish (hung or too slow); all ranks were killed")
         return [out[r] for r in range(world_size)]
     finally:
