@@ -643,9 +643,10 @@ def test_v_auto_with_unequal_sizes_starts_from_the_blocks_for_unit_sizes_too():
     # 304.4, proven by CP-SAT); the blocks for plain sizes, relaxed under the cap, reach it.
     stages = _embedding_heavier(3, 2, 6, 4, 1.4)
     s = registry.build("v-auto", 3, 10, Costs(4, 12, 8, 0), memory_budget=2 / 3, stage_costs=stages)
-    assert simulate(s).makespan == pytest.approx(304.4)
+    sim = simulate(s)
+    assert sim.makespan == pytest.approx(304.4)
     assert "for stage sizes of 1" in s.meta["plan"]
-    assert max(simulate(s).peak_activations) <= 4 + 1e-9
+    assert max(sim.peak_activations) <= 4 + 1e-9
 
 
 def test_v_auto_at_v_halfs_budget_searches_on_from_the_named_plan():
@@ -653,5 +654,6 @@ def test_v_auto_at_v_halfs_budget_searches_on_from_the_named_plan():
     # named plan's share of the search stopped at 170.58 (5.7% above the optimum 161.368).
     stages = _embedding_heavier(4, 2, 2.6, 2.2, 1.44)
     s = registry.build("v-auto", 4, 9, Costs(4, 5.2, 4.4, 0.5), memory_budget=0.75, stage_costs=stages)
-    assert simulate(s).makespan <= 1.02 * 161.368
-    assert max(simulate(s).peak_activations) <= 6 + 1e-9
+    sim = simulate(s)
+    assert sim.makespan <= 1.02 * 161.368
+    assert max(sim.peak_activations) <= 6 + 1e-9
