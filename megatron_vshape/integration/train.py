@@ -40,8 +40,12 @@ from typing import Dict, List, Optional
 from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
 from .args import add_pipeline_arguments, validate_pipeline_args
+from .divergence import Counters, Diverged, json_safe
+from .divergence import add_arguments as add_divergence_arguments
+from .errors import report
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
+PROG = "megatron-vshape pretrain"
 # Dense bf16 peak TFLOP/s per GPU for MFU, by device-name substring.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -97,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--seed", type=int, default=1234)
+    add_divergence_arguments(t)
     lg = p.add_argument_group("logging and evaluation")
     lg.add_argument("--log-interval", type=int, default=1)
     lg.add_argument("--eval-interval", type=int, default=None, help="evaluate every N iterations and at the end")
@@ -601,6 +606,7 @@ def run(args, plan) -> dict:
     window = {"time": 0.0, "iters": 0}
     eval_round = 0
     replanned = None
+    counters = Counters(args.check_for_nan_in_loss_and_grad, args.fp16)
     for it in range(start_iter, args.train_iters):
         if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
             replanned = _replan(fb, it)
@@ -615,21 +621,28 @@ def run(args, plan) -> dict:
         loss_dicts = fb(forward_step_func=forward_step, data_iterator=_iters(batches, len(chunks)), model=chunks,
                         num_microbatches=m, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                         forward_only=False)
-        updated, grad_norm, _ = optimizer.step()
+        loss_sum, tokens = reduce_loss(loss_dicts, device)
+        loss = loss_sum / max(tokens, 1.0)
+        lr = scheduler.optimizer.param_groups[0]["lr"]
+        stop = counters.check_loss(it + 1, loss, lr)  # before the update: the weights stay finite
+        updated, grad_norm, _ = (False, None, None) if stop else optimizer.step()
+        stop = stop or counters.record(it + 1, loss, grad_norm, updated, lr)
+        if stop:
+            _summary(args, plan, history, peak_act, rss0, device, counters, "diverged")
+            raise Diverged(stop)
         if updated:
             scheduler.step(increment=args.global_batch_size)
-        loss_sum, tokens = reduce_loss(loss_dicts, device)
         dist.barrier()
         iter_time = time.perf_counter() - t0
         figures = step_figures(recorder.ops, t0, placement.chunks)
         peak_act = max(peak_act, recorder.peak_bytes)
-        loss = loss_sum / max(tokens, 1.0)
         history.append({"iteration": it + 1, "loss": loss, "time": iter_time, "figures": figures,
                         "grad_norm": grad_norm})
         window["time"] += iter_time
         window["iters"] += 1
         if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler))
+            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler,
+                                counters))
             window = {"time": 0.0, "iters": 0}
         if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
             evaluate(args, fb, chunks, data, it + 1, eval_round, dp_rank, device)
@@ -639,7 +652,7 @@ def run(args, plan) -> dict:
             ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
                                  extra={"consumed_samples": (it + 1) * args.global_batch_size})
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
-    summary = _summary(args, plan, history, peak_act, rss0, device)
+    summary = _summary(args, plan, history, peak_act, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary
 
@@ -718,7 +731,7 @@ def _memory(peak_act, rss0, device):
     return _gather_pp({"act": peak_act, "alloc": allocated})
 
 
-def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler):
+def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler, counters):
     per_rank = _gather_pp(figures)
     mem = _memory(peak_act, rss0, device)
     makespan = max(f["end"] for f in per_rank)
@@ -741,21 +754,24 @@ def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, devi
     line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {iteration * args.global_batch_size:10d}"
             f" | elapsed time per iteration (ms): {1000 * iter_time:.1f} | learning rate: {lr:.6E}"
             f" | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E}"
-            f" | grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:.0f}")
+            f" | grad norm: {'-' if grad_norm is None else f'{grad_norm:.3f}'} | tokens/s: {tokens_per_s:.0f}")
     if tflops is not None:
         line += f" | TFLOP/s/GPU: {tflops:.1f}" + (f" | MFU: {100 * mfu:.1f}%" if mfu is not None else "")
+    skipped, nan = counters.take_window()
+    line += f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d}"
     line += (f" | bubble: {100 * bubble:.1f}%" if bubble is not None else "") + \
         f" | peak activations MiB per pp rank: {mib(act)} | peak {'allocated' if device.type == 'cuda' else 'RSS growth'}" \
         f" MiB: {mib(alloc)}"
     _print0(line)
     record = {"iteration": iteration, "train_iters": args.train_iters, "loss": loss, "lr": lr, "grad_norm": grad_norm,
               "iter_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops, "mfu": mfu,
-              "bubble_rate": bubble, "peak_activation_bytes": act, "peak_allocated_bytes": alloc}
-    _print0("VSHAPE_METRICS " + json.dumps(record))
+              "bubble_rate": bubble, "peak_activation_bytes": act, "peak_allocated_bytes": alloc,
+              "skipped_iterations": skipped, "nan_iterations": nan}
+    _print0("VSHAPE_METRICS " + json.dumps(json_safe(record), allow_nan=False))
     return record
 
 
-def _summary(args, plan, history, peak_act, rss0, device):
+def _summary(args, plan, history, peak_act, rss0, device, counters, status=None):
     import torch.distributed as dist
 
     # Op times from the second iteration on (the first warms up), per rank's share of the model.
@@ -779,7 +795,7 @@ def _summary(args, plan, history, peak_act, rss0, device):
     if device.type == "cuda" and median_time:
         tflops = model_flops(args, args.global_batch_size * args.seq_length) / median_time / dist.get_world_size() / 1e12
     summary = {
-        "status": "ok", "schedule": plan.name if plan else "none", "pp": args.pipeline_model_parallel_size,
+        "status": status or counters.status(), "schedule": plan.name if plan else "none", "pp": args.pipeline_model_parallel_size,
         "tp": args.tensor_model_parallel_size, "dp": args.data_parallel_size, "world_size": dist.get_world_size(),
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
         "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
@@ -790,8 +806,9 @@ def _summary(args, plan, history, peak_act, rss0, device):
         "measured_costs": measured_costs([r["kinds"] for r in per_rank]) if plan else None,
         "measured_bubble_rate": statistics.median(bubbles) if bubbles else None,
         "config_name": args.config_name,
+        "skipped_iterations": counters.skipped, "nan_iterations": counters.nan,
     }
-    _print0("VSHAPE_SUMMARY " + json.dumps(summary))
+    _print0("VSHAPE_SUMMARY " + json.dumps(json_safe(summary), allow_nan=False))
     summary["losses"] = [h["loss"] for h in history]
     summary["grad_norms"] = [h["grad_norm"] for h in history]
     return summary
@@ -804,21 +821,27 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         plan = validate(args)
-    except ConfigError as e:
-        print(f"megatron-vshape pretrain: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # every rank validates alike: said once (rank 0)
+        report(PROG, str(e), shared=True)
         return EXIT_CONFIG
     import torch.distributed as dist
 
     try:
         init_distributed()
         run(args, plan)
-    except ConfigError as e:
-        print(f"megatron-vshape pretrain: error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except Exception:
-        import traceback
+    except (ConfigError, Diverged) as e:  # raised on every rank alike (checkpoint checks agree first)
+        report(PROG, str(e), shared=True)
+        return EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_RUNTIME
+    except Exception as e:
+        from ..runtime.p2p import P2PTimeout
 
-        traceback.print_exc()
+        if isinstance(e, P2PTimeout):  # its message names the rank, op and peer
+            report(PROG, str(e), shared=False)
+        else:  # a bug's or a system's failure: its trace helps, then the one line
+            import traceback
+
+            traceback.print_exc()
+            report(PROG, f"{type(e).__name__}: {e}", shared=False)
         return EXIT_RUNTIME
     finally:
         if dist.is_initialized():

@@ -147,13 +147,13 @@ class P2P:
             except RuntimeError as exc:
                 if time.monotonic() - start < self.timeout * 0.99 and "imeout" not in str(exc):
                     raise
-                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (set the executor's "
-                                 f"p2p_timeout to wait longer)") from exc
+                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
+                                 f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
         # NCCL and others: wait() only orders streams, so poll completion against the deadline.
         while not work.is_completed():
             if time.monotonic() - start > self.timeout:
-                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (set the executor's "
-                                 f"p2p_timeout to wait longer)")
+                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
+                                 f"or get_forward_backward_func's p2p_timeout, to wait longer)")
             time.sleep(1e-4)
         work.wait()
 

@@ -1,0 +1,31 @@
+"""A configuration mistake under torchrun, as a user sees it: one error line (not one per rank),
+before torchrun's closing block, and that block names the same line as the root cause instead of
+"<N/A>".  torchrun exits 1 whatever the rank's code (the README says so); the rank's own 2 shows in
+the block."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PREFIX = "megatron-vshape pretrain: error: "
+
+
+@pytest.mark.timeout(200)
+def test_a_configuration_error_under_torchrun_is_one_line_and_the_root_cause():
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=3",
+           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), "--mock-data", "--vocab-size", "63",
+           "--pipeline-model-parallel-size", "3", "--pipeline-schedule", "v-half", "--num-layers", "4",
+           "--global-batch-size", "6"]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = run.stdout + run.stderr
+    ours = [line for line in out.splitlines() if line.startswith(PREFIX)]
+    assert len(ours) == 1, out[-4000:]
+    assert "--num-layers=4 is not divisible by 2*pp=6; use --num-layers=6" in ours[0]
+    assert run.returncode == 1  # torchrun's own code for any failed rank
+    # torchrun's block follows the line and names it as the root cause, with the rank's exit code 2.
+    root = out[out.index("Root Cause"):]
+    assert out.index(ours[0]) < out.index("Root Cause")
+    assert ours[0] in root and "exitcode  : 2" in root, root
