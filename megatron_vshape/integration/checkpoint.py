@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.errors import ConfigError
+from . import ckpt_integrity as integrity
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -47,11 +48,14 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def save_checkpoint(path: str, iteration: int, model_chunks: List[torch.nn.Module], optimizer,
-                    scheduler=None, extra: Optional[dict] = None) -> str:
-    """Save this rank's share of the model, optimizer, scheduler and RNG as `path/iter_<iteration>`.
+                    scheduler=None, extra: Optional[dict] = None, *, retain: Optional[int] = None,
+                    keep: Tuple[str, ...] = ()) -> str:
+    """Save this rank's share of the model, optimizer, scheduler and RNG as `path/iter_<iteration>`,
+    with the checksums of its files (`ckpt_integrity`).
 
     Collective.  `extra` (picklable, equal on all ranks) comes back from `load_checkpoint`; the
-    driver puts the schedule name and its arguments there.  Returns the checkpoint's directory.
+    driver puts the schedule name and its arguments there.  `retain`: then delete all but the
+    newest `retain` checkpoints in `path`, never one in `keep`.  Returns the checkpoint's directory.
     """
     from megatron.core import dist_checkpointing
 
@@ -80,28 +84,44 @@ def save_checkpoint(path: str, iteration: int, model_chunks: List[torch.nn.Modul
     with _torch_dist_in_process():
         dist_checkpointing.save(state, target)
     _barrier()
-    if _rank() == 0:  # the tracker names a checkpoint only once all of it is on disk
+    names = integrity.files(target) if _rank() == 0 else None
+    names = _broadcast(names)
+    entries = {}
+    for part in _gather(integrity.digests(target, integrity.share(names, _rank(), _world()))):
+        entries.update(part)
+    if _rank() == 0:  # the tracker names a checkpoint only once all of it, and its checksums, are on disk
+        integrity.write_manifest(target, entries)
         tmp = os.path.join(path, TRACKER + ".tmp")
         with open(tmp, "w") as f:
             f.write(f"{iteration}\n")
         os.replace(tmp, os.path.join(path, TRACKER))
+        if retain:
+            integrity.retire(path, retain, keep=(target,) + tuple(keep))
     _barrier()
     return target
 
 
 def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, scheduler=None, *,
-                    load_optimizer: bool = True, load_rng: bool = True) -> Tuple[int, Any]:
+                    load_optimizer: bool = True, load_rng: bool = True, step: Optional[int] = None,
+                    fallback: bool = False) -> Tuple[int, Any]:
     """Load the checkpoint at `path` (a --save directory, whose tracker names the latest one, or
-    an `iter_*` directory) into this rank's chunks, optimizer and scheduler; return
-    (iteration, extra).  Collective.  ConfigError (on every rank) when there is no checkpoint or
-    it was saved for other model sizes or another optimizer; other schedules, pp and tp are fine.
+    an `iter_*` directory; `step`: that iteration's under the --save directory) into this rank's
+    chunks, optimizer and scheduler; return (iteration, extra).  Collective.  ConfigError (on every
+    rank) when there is no checkpoint, when a file of it does not match its checksum (naming the
+    newest intact checkpoint beside it, which `fallback` loads instead), or when it was saved for
+    other model sizes or another optimizer; other schedules, pp and tp are fine.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    error, common = None, None
+    error, common, target = None, None, None
     try:
-        target = find_checkpoint(path)
+        target = find_checkpoint(path, step)
+    except ConfigError as e:
+        error = str(e)
+    _agree(error)
+    target = _intact(target, fallback)
+    try:
         common = dist_checkpointing.load_common_state_dict(target)
         error = _incompatibility(target, common, model_chunks, optimizer if load_optimizer else None)
     except ConfigError as e:
@@ -117,8 +137,12 @@ def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, s
     same_layout = common["checkpoint"]["layout"] == _layout()
     if load_rng and same_layout:
         request["rng_state"] = _rng_sharded(_rng_state())
-    with _torch_dist_in_process():
-        loaded, _, absent = dist_checkpointing.load(request, target, strict=StrictHandling.RETURN_ALL)
+    try:
+        with _torch_dist_in_process():
+            loaded, _, absent = dist_checkpointing.load(request, target, strict=StrictHandling.RETURN_ALL)
+    except Exception as e:  # only a checkpoint without checksums gets here damaged: one line, not a trace
+        raise ConfigError(f"checkpoint {target} cannot be read ({type(e).__name__}: {e}); it has no "
+                          f"{integrity.MANIFEST} to tell which file is damaged; load another checkpoint") from None
     _agree(f"{target} has no {', '.join(sorted(absent)[:8])}{' ...' if len(absent) > 8 else ''} "
            f"that this model needs (saved from another model?)" if absent else None)
 
@@ -133,9 +157,16 @@ def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, s
     return int(loaded["iteration"]), loaded.get("extra")
 
 
-def find_checkpoint(path: str) -> str:
+def find_checkpoint(path: str, step: Optional[int] = None) -> str:
     """The checkpoint directory `path` names: itself when it holds one, else the one its
-    tracker file names.  ConfigError when there is none."""
+    tracker file names (or `step`'s, Megatron-LM's --ckpt-step).  ConfigError when there is none."""
+    if step is not None:
+        target = iteration_dir(path, step)
+        if not os.path.isfile(os.path.join(target, "metadata.json")):
+            have = [it for it, d in integrity.iteration_dirs(path) if os.path.isfile(os.path.join(d, "metadata.json"))]
+            raise ConfigError(f"--ckpt-step {step}: {target} holds no complete checkpoint; {path} has iterations "
+                              f"{', '.join(map(str, sorted(have))) or 'none'}")
+        return target
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     tracker = os.path.join(path, TRACKER)
@@ -152,6 +183,43 @@ def find_checkpoint(path: str) -> str:
     if not os.path.isfile(os.path.join(target, "metadata.json")):
         raise ConfigError(f"{tracker} names iteration {text}, but {target} holds no complete checkpoint")
     return target
+
+
+def _damage(target: str) -> Optional[str]:
+    """What is wrong with the files of `target` (each rank checks its share), or None; the same on
+    every rank.  Collective."""
+    problem = None
+    try:
+        manifest = integrity.read_manifest(target)
+    except ValueError as e:
+        problem = str(e)
+    else:
+        if manifest is not None:
+            names = integrity.share(sorted(manifest), _rank(), _world())
+            problem = integrity.problem(target, manifest, names)
+    return next((p for p in _gather(problem) if p), None)
+
+
+def _intact(target: str, fallback: bool) -> str:
+    """`target` when its files match their checksums, else (with `fallback`) the newest intact
+    checkpoint beside it; ConfigError naming the damaged file and that checkpoint.  Collective."""
+    problem = _damage(target)
+    if problem is None:
+        return target
+    root = os.path.dirname(os.path.abspath(target))
+    intact = next((d for _, d in integrity.iteration_dirs(root)
+                   if os.path.abspath(d) != os.path.abspath(target)
+                   and os.path.isfile(os.path.join(d, "metadata.json")) and _damage(d) is None), None)
+    head = f"checkpoint {target} is damaged: {problem}"
+    if intact is None:
+        raise ConfigError(f"{head}; no intact checkpoint in {root} to load instead; start without --load")
+    if not fallback:
+        iteration = os.path.basename(intact)[len("iter_"):].lstrip("0") or "0"
+        raise ConfigError(f"{head}; the newest intact checkpoint is {intact}: pass --load {root} --load-fallback "
+                          f"(or --ckpt-step {iteration})")
+    if _rank() == 0:
+        print(f"  {head}; loading the newest intact checkpoint, {intact} (--load-fallback)", flush=True)
+    return intact
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -377,6 +445,23 @@ def _world() -> int:
 def _barrier() -> None:
     if _world() > 1:
         dist.barrier()
+
+
+def _gather(value) -> list:
+    """`value` of every rank, in rank order."""
+    if _world() == 1:
+        return [value]
+    out = [None] * _world()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _broadcast(value):
+    """Rank 0's `value` on every rank."""
+    box = [value]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _agree(error: Optional[str]) -> None:

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--save", default=None, metavar="DIR")
     ck.add_argument("--load", default=None, metavar="DIR")
     ck.add_argument("--save-interval", type=int, default=None)
+    ck.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                    help="with --load DIR: load iteration N's checkpoint instead of the latest")
+    ck.add_argument("--load-fallback", action="store_true",
+                    help="with --load: when the checkpoint's files do not match their checksums, load the newest "
+                         "intact checkpoint in the same directory instead of stopping")
+    ck.add_argument("--save-retain", type=int, default=None, metavar="K",
+                    help="keep only the newest K checkpoints in --save (never the one this run resumed from)")
     d = p.add_argument_group("data")
     d.add_argument("--mock-data", action="store_true", help="megatron-core's mock GPT dataset")
     d.add_argument("--data-path", nargs="+", default=None, help="indexed dataset prefix(es): PATH or W1 P1 W2 P2")
@@ -595,8 +602,10 @@ def run(args, plan) -> dict:
     start_iter = 0
     ckpt = _checkpoint_module()
     if args.load and ckpt is not None:
-        start_iter, _extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler)
+        start_iter, _extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler, step=args.ckpt_step,
+                                                  fallback=args.load_fallback)
         _print0(f"  loaded checkpoint {args.load} at iteration {start_iter}")
+    resumed = (ckpt.iteration_dir(args.save, start_iter),) if args.load and args.save else ()
 
     rss0 = max_rss_bytes()
     if device.type == "cuda":
@@ -650,7 +659,8 @@ def run(args, plan) -> dict:
         if ckpt is not None and args.save and (
                 (args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == args.train_iters):
             ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
-                                 extra={"consumed_samples": (it + 1) * args.global_batch_size})
+                                 extra={"consumed_samples": (it + 1) * args.global_batch_size},
+                                 retain=args.save_retain, keep=resumed)
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
     summary = _summary(args, plan, history, peak_act, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
