@@ -262,7 +262,7 @@ def _choose_auto(args, pp: int, m: int, costs: Costs):
     if budget is None:
         raise ConfigError("--pipeline-schedule auto needs --pipeline-memory-budget X (activation memory per rank "
                           "relative to 1F1B, e.g. 0.5)")
-    return fastest_within(pp, m, costs, budget)
+    return fastest_within(pp, m, costs, budget, flag="--pipeline-memory-budget")
 
 
 def validate_pipeline_args(args) -> Optional[PipelinePlan]:

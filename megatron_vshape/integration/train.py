@@ -42,6 +42,7 @@ from ..schedule.errors import ConfigError
 from .args import add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
+from . import startup
 from .errors import report
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
@@ -139,6 +140,8 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, object]
             data = yaml.safe_load(f) or {}
     except OSError as e:
         raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, ValueError):  # a binary file (yaml's reader raises either)
+        raise ConfigError(f"--config {path}: not a text file; give a YAML file of flag values") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
@@ -173,10 +176,7 @@ def validate(args, world_size: Optional[int] = None):
     import torch
 
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "log_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    startup.check_numbers(args)  # each flag alone first: a cross-flag message never blames the wrong one
     if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None:
         args.pipeline_schedule = "1f1b"
     split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -214,18 +214,13 @@ def validate(args, world_size: Optional[int] = None):
         raise ConfigError("pass exactly one of --mock-data and --data-path PREFIX")
     if args.vocab_size is None:
         raise ConfigError("--vocab-size N is needed (NullTokenizer: token ids 0..N-1)")
-    if args.eval_interval is not None and (args.eval_interval < 1 or args.eval_iters < 1):
-        raise ConfigError(f"--eval-interval={args.eval_interval} and --eval-iters={args.eval_iters} must be >= 1")
     if args.save_interval is not None and not args.save:
         raise ConfigError(f"--save-interval={args.save_interval} needs --save DIR")
     if (args.save or args.load) and _checkpoint_module() is None:
         raise ConfigError("--save/--load: checkpointing (megatron_vshape.integration.checkpoint) is not available "
                           "in this version")
-    if args.lr_warmup_iters >= (args.lr_decay_iters or args.train_iters):
-        raise ConfigError(f"--lr-warmup-iters={args.lr_warmup_iters} must be below the decay iterations "
-                          f"({args.lr_decay_iters or args.train_iters})")
-    if not 0 <= args.min_lr <= args.lr:
-        raise ConfigError(f"--min-lr={args.min_lr} must be between 0 and --lr={args.lr}")
+    startup.check_combinations(args)
+    startup.check_paths(args)  # last: the cheap mistakes first, then the file system
     return plan
 
 

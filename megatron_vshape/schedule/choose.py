@@ -35,11 +35,13 @@ def candidates(pp: int, microbatches: int, costs: Optional[Costs], memory_budget
 
 
 def fastest_within(pp: int, microbatches: int, costs: Optional[Costs], memory_budget: float,
-                   stage_costs: Optional[Sequence[StageCost]] = None) -> Tuple[Schedule, str]:
+                   stage_costs: Optional[Sequence[StageCost]] = None,
+                   flag: str = "--memory-budget") -> Tuple[Schedule, str]:
     """(the fastest schedule whose peak_vs_1f1b <= memory_budget on every rank, a reason
-    naming its figures and the runner-up); ConfigError when none fits."""
+    naming its figures and the runner-up); ConfigError when none fits, naming the budget as `flag`
+    (the option that gave it)."""
     if not memory_budget > 0:
-        raise ConfigError(f"--memory-budget {memory_budget!r} must be > 0 (a fraction of 1F1B's activation memory)")
+        raise ConfigError(f"{flag} {memory_budget!r} must be > 0 (a fraction of 1F1B's activation memory)")
     fitting, over = [], []
     for k, (name, schedule, why) in enumerate(candidates(pp, microbatches, costs, memory_budget, stage_costs)):
         if schedule is None:
@@ -53,8 +55,11 @@ def fastest_within(pp: int, microbatches: int, costs: Optional[Costs], memory_bu
     if not fitting:
         least = min(over) if over else None
         hint = f"; the least any schedule needs is {least[0]:.4g} ({least[1]})" if least else ""
-        raise ConfigError(f"no schedule fits --memory-budget {memory_budget:g} at pp={pp}, microbatches={microbatches}"
-                          f"{hint}; raise the budget (V-Min needs {min_budget(pp):.4g}) or add microbatches")
+        floor = min_budget(pp)
+        fix = (f"raise {flag} to at least {floor:.4g}: V-Min's floor at pp={pp}, which more microbatches do not lower"
+               if memory_budget < floor - 1e-12 else f"add microbatches, or raise {flag}")
+        raise ConfigError(f"no schedule fits {flag} {memory_budget:g} at pp={pp}, microbatches={microbatches}"
+                          f"{hint}; {fix}")
     fitting.sort(key=lambda x: x[:2])
     makespan, _, name, schedule, sim, peak = fitting[0]
     reason = (f"{name}: fastest of {len(fitting)} schedules within memory budget {memory_budget:g} of 1F1B "

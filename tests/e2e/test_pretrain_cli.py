@@ -11,11 +11,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METRICS_KEYS = {"iteration", "train_iters", "loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
-                "mfu", "bubble_rate", "peak_activation_bytes", "peak_allocated_bytes"}
+                "mfu", "bubble_rate", "peak_activation_bytes", "peak_allocated_bytes", "skipped_iterations",
+                "nan_iterations"}
 SUMMARY_KEYS = {"status", "schedule", "pp", "tp", "dp", "world_size", "num_layers", "hidden_size", "seq_length",
                 "micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "first_loss", "final_loss",
                 "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "peak_activation_bytes", "peak_allocated_bytes",
-                "measured_costs", "measured_bubble_rate", "config_name"}
+                "measured_costs", "measured_bubble_rate", "config_name", "skipped_iterations", "nan_iterations"}
 
 
 def _env():
