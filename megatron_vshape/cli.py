@@ -1,4 +1,4 @@
-"""`megatron-vshape`: plan, compare and export pipeline schedules (no torch needed).
+"""`megatron-vshape`: plan, compare, export and check pipeline schedules (no torch needed).
 
 Each subcommand is one function taking the parsed arguments and returning an exit code;
 main() only parses and dispatches.  Every error is one line on stderr naming the option, the
@@ -335,6 +335,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """`check FILE.json`: read an export (perhaps edited by hand) back through the verifier that
+    training uses (--pipeline-schedule-file), and print its figures recomputed from the op lists."""
+    from .schedule.export import load_json, stale_figures
+    from .schedule.verify import forwards_out_of_order
+
+    schedule = load_json(args.file)  # ConfigError listing every problem: exit 2
+    sim = simulate(schedule)
+    with open(args.file) as f:
+        stale = stale_figures(json.load(f), sim)
+    order = forwards_out_of_order(schedule)
+    if args.json:
+        print(json.dumps({**summary(schedule, sim), "file": args.file, "valid": True, "stale_figures": stale,
+                          "forwards_out_of_order": order}, indent=2))
+        return 0
+    p = schedule.placement
+    print(f"{args.file}: valid: {schedule.name}, pp={schedule.pp}, {schedule.microbatches} microbatches, placement "
+          f"{p.kind} ({p.chunks} chunk(s) per rank), {sum(map(len, schedule.ranks))} ops, deadlock-free under the "
+          f"matching rule" + ("" if schedule.memory_budget is None else
+                              f", within its memory budget {schedule.memory_budget:g}"))
+    print(f"makespan          {sim.makespan:g}")
+    print(f"bubble rate       {_pct(sim.bubble_rate)}")
+    print(f"peak activations  {' '.join(str(v) for v in sim.peak_activations)}  (stage-activations per rank)")
+    print(f"peak vs 1F1B      {' '.join(f'{v:.3g}' for v in sim.peak_vs_1f1b)}  (max {max(sim.peak_vs_1f1b):.3g})")
+    for line in stale:
+        print(f"note              stale figure: {line}")
+    for line in order:
+        print(f"note              {line}: forwards out of microbatch order; the runtime gives each microbatch its "
+              f"own data whatever the order")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Recorded op times (Recorder.dump, one file per rank or a list) -> a stage-costs file."""
     from .runtime.replan import from_recorders, load_stats
@@ -398,6 +430,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=FORMATS, default="json")
     p.add_argument("--output", required=True, metavar="PATH", type=output_path())
     p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("check", help="verify an exported schedule (e.g. edited by hand) and print its figures")
+    p.add_argument("file", metavar="FILE.json", help="a schedule export (plan/export --export)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("profile", help="recorded op times (runtime.stats.Recorder.dump) -> a stage-costs file")
     p.add_argument("stats", nargs="+", metavar="STATS", help="JSON from Recorder.dump, one per rank (or a list of them)")

@@ -51,6 +51,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     choices = schedule_choices()
     g.add_argument("--pipeline-schedule", default=None, choices=choices, metavar="NAME",
                    help=f"pipeline schedule to run: {', '.join(choices)} (default: Megatron's own)")
+    g.add_argument("--pipeline-schedule-file", default=None, metavar="FILE.json",
+                   help="run the schedule exported to FILE.json (`megatron-vshape plan/export`, perhaps edited; "
+                        "`megatron-vshape check FILE.json` verifies it as training will) instead of --pipeline-schedule")
     g.add_argument("--pipeline-costs", default=None, metavar="F,B,W[,C]",
                    help="measured times of one forward, input-gradient backward and weight-gradient backward of "
                         "one microbatch over one rank's share of the model, and of one p2p hop (C); schedules that "
@@ -77,6 +80,12 @@ class PipelinePlan:
     costs: Costs
     options: dict = field(default_factory=dict)  # generator options (chunks, group)
     reason: Optional[str] = None  # why `auto` chose this schedule
+    source: Optional[str] = None  # the --pipeline-schedule-file it was read from
+
+    @property
+    def as_built(self) -> bool:
+        """Whether the executor must run `schedule` itself (auto's choice, a file), not rebuild it by name."""
+        return self.reason is not None or self.source is not None
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
@@ -269,18 +278,26 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
     """Check the pipeline options against Megatron's sizes; the plan every rank will run, or None
     when --pipeline-schedule is unset.  Raises ConfigError before any process group exists."""
     name = getattr(args, "pipeline_schedule", None)
+    path = getattr(args, "pipeline_schedule_file", None)
     _check_runtime_options(args)
-    if name is None:
+    if name is None and path is None:
         return None
+    if name is not None and path is not None:
+        raise ConfigError(f"--pipeline-schedule {name} and --pipeline-schedule-file {path}: pass one (the file "
+                          "holds its own schedule)")
     pp = _get(args, "pipeline_model_parallel_size", 1)
     if pp < 2:
-        raise ConfigError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2, got {pp}; "
-                          "without pipelining no schedule applies (unset --pipeline-schedule)")
+        given = f"--pipeline-schedule {name}" if name else f"--pipeline-schedule-file {path}"
+        raise ConfigError(f"{given} needs --pipeline-model-parallel-size >= 2, got {pp}; "
+                          f"without pipelining no schedule applies (unset {given.split()[0]})")
     dp = data_parallel_size(args)
     m = num_microbatches(args, dp)
     costs = _costs(args)
     reason = None
-    if name == AUTO:
+    if path is not None:
+        schedule = _schedule_file(args, path, pp, m)
+        name, options, costs = schedule.name, {}, schedule.costs
+    elif name == AUTO:
         chosen = _choose_auto(args, pp, m, costs)
         schedule, reason = _chosen_schedule(chosen)
         name = schedule.name
@@ -296,7 +313,30 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
     _check_virtual_pipeline(args, name, schedule)
     _check_layers(args, name, schedule)
     _check_options_the_runtime_refuses(args, name, schedule)
-    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason)
+    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path)
+
+
+def _schedule_file(args, path: str, pp: int, m: int) -> Schedule:
+    """The verified schedule of --pipeline-schedule-file, for this run's pp and microbatches."""
+    from ..schedule.export import load_json
+
+    flag = "--pipeline-schedule-file"
+    try:
+        schedule = load_json(path)  # the verifier `megatron-vshape check` runs
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: {e.strerror or e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {e}") from None
+    if schedule.meta.get("forward_only"):
+        raise ConfigError(f"{flag} {path} holds a forward-only schedule; export the training schedule")
+    if (schedule.pp, schedule.microbatches) != (pp, m):
+        raise ConfigError(f"{flag} {path} holds {schedule.name} for pp={schedule.pp} and {schedule.microbatches} "
+                          f"microbatches; this run has pp={pp} and {m} microbatches (--global-batch-size / "
+                          f"(--micro-batch-size x data-parallel size)): export the schedule for these sizes")
+    if getattr(args, "pipeline_replan_after", None) is not None:
+        raise ConfigError(f"--pipeline-replan-after re-plans by name from measured costs, replacing the order of "
+                          f"{flag} {path}; unset one of them")
+    return schedule
 
 
 def _chosen_schedule(chosen):

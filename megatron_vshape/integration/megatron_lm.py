@@ -189,7 +189,7 @@ def _executor(plan):
     from ..schedule import registry
 
     args = get_args()
-    named = plan.name in registry.names()
+    named = plan.name in registry.names() and not plan.source  # a --pipeline-schedule-file runs as read
     return get_forward_backward_func(plan.name if named else plan.schedule, plan.costs,
                                      p2p_timeout=getattr(args, "pipeline_p2p_timeout", None) or 300.0,
                                      schedule_options=plan.options if named else None)

@@ -177,7 +177,7 @@ def validate(args, world_size: Optional[int] = None):
 
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     startup.check_numbers(args)  # each flag alone first: a cross-flag message never blames the wrong one
-    if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None:
+    if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None and not args.pipeline_schedule_file:
         args.pipeline_schedule = "1f1b"
     split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
@@ -514,7 +514,7 @@ def forward_backward_func(args, plan, recorder, device):
         return get_forward_backward_func()
     from ..runtime.executor import get_forward_backward_func
 
-    if plan.reason is not None:  # auto's choice, built under the memory budget: run it as built
+    if plan.as_built:  # auto's choice (built under the memory budget) or a file's: run it as built
         return get_forward_backward_func(plan.schedule, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout)
     # By name, so that the executor can re-plan it from measured op times (--pipeline-replan-after).
     return get_forward_backward_func(plan.name, plan.costs, stats=recorder, p2p_timeout=args.pipeline_p2p_timeout,
@@ -586,6 +586,8 @@ def run(args, plan) -> dict:
             f"global batch {args.global_batch_size}, {m} microbatches")
     if plan and plan.reason:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
+    if plan and plan.source:
+        _print0(f"  schedule read from --pipeline-schedule-file {plan.source} (verified)")
     chunks, config = build_model(args, placement, device)
     chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
     recorders = _Recorders()

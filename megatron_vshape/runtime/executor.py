@@ -37,6 +37,7 @@ from ..schedule.errors import ConfigError
 from ..schedule.ops import B, BW, F, W, Costs, Schedule
 from ..schedule.verify import forward_only_view, verify
 from . import wgrad
+from .microbatch_data import bind, for_op
 from .p2p import P2P, local_activation, tensor_shape
 
 DEFAULT_P2P_TIMEOUT = 300.0
@@ -171,7 +172,7 @@ class _Step:
         if len(iters) != len(self.model):
             raise ConfigError(f"data_iterator has {len(iters)} iterators for {len(self.model)} model chunks; "
                               "pass one iterator, or one per chunk")
-        self.iters = iters
+        self.iters = bind(iters, shared=not isinstance(data_iterator, list))  # item k -> microbatch k
         self.ex, self.m, self.forward_step_func = ex, m, forward_step_func
         self.forward_only, self.collect_non_loss_data, self.first_val_step = forward_only, collect_non_loss_data, first_val_step
         self.cp_size = cp_group.size() if cp_group is not None else 1
@@ -348,7 +349,8 @@ class _Step:
             saving = self.stats.saved_tensors() if (self.stats and not self.forward_only) else contextlib.nullcontext()
             with wgrad.split_forward(self.split), saving:
                 out, tokens = self.forward_step(
-                    self.forward_step_func, self.iters[c], self.model[c], self.m, x, store, self.config,
+                    self.forward_step_func, for_op(self.iters[c], op.microbatch), self.model[c], self.m, x, store,
+                    self.config,
                     cp_group_size=self.cp_size, collect_non_loss_data=self.collect_non_loss_data,
                     is_first_microbatch=self.check_first_val_step(self.first_val_step, self.forward_only,
                                                                   op.microbatch == 0),

@@ -79,12 +79,41 @@ def from_dict(data: dict) -> Schedule:
 
 
 def load_json(path: str) -> Schedule:
+    """The verified schedule of an export file; ConfigError naming the file and every problem."""
     with open(path) as f:
         try:
             data = json.load(f)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not JSON ({exc})") from None
-    return from_dict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a schedule export (format: docs/architecture.md): a JSON {type(data).__name__}")
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+
+
+# The simulated figures an export records, recomputed by `check` (a hand edit leaves them stale).
+FIGURES = ("makespan", "bubble_rate", "span_bubble_rate", "peak_activations", "peak_vs_1f1b")
+
+
+def stale_figures(data: dict, sim: SimResult) -> List[str]:
+    """The recorded figures of an export that its op lists no longer give, as readable lines."""
+    fresh = sim.to_dict()
+    out = []
+    for key in FIGURES:
+        if key in data and key in fresh and not _close(data[key], fresh[key]):
+            out.append(f"{key} recorded {data[key]}, the op lists give {fresh[key]}")
+    return out
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    try:
+        return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(b)))
+    except (TypeError, ValueError):
+        return False
 
 
 def to_torch_rows(schedule: Schedule) -> List[List[str]]:

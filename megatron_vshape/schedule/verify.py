@@ -70,6 +70,24 @@ def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
     return out
 
 
+def forwards_out_of_order(schedule: Schedule) -> List[str]:
+    """Where a stage's forwards run out of microbatch order (valid, but not how generators lay them
+    out: a hand-edited or solver-made order).  Megatron's forward_step_func reads data in call
+    order; the runtime binds item k of each chunk's data iterator to microbatch k
+    (runtime.microbatch_data), so such an order trains on the right data all the same."""
+    out = []
+    for rank, ops in enumerate(schedule.ranks):
+        last: dict = {}
+        for op in ops:
+            if op.kind != F:
+                continue
+            before = last.get(op.stage)
+            if before is not None and op.microbatch < before:
+                out.append(f"rank {rank}: F{op.microbatch}@{op.stage} runs after F{before}@{op.stage}")
+            last[op.stage] = max(op.microbatch, before if before is not None else -1)
+    return out
+
+
 def verify(schedule: Schedule, forward_only: bool = False) -> Schedule:
     """Return `schedule` unchanged if valid; raise InvalidSchedule listing the problems."""
     found = problems(schedule, forward_only)
