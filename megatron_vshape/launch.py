@@ -5,7 +5,7 @@
 
 The script runs as `python SCRIPT ...` would run it (as __main__, its folder first on sys.path, its
 arguments in sys.argv), after `megatron_vshape.install()`.  A configuration mistake exits with
-status 2 and one line on stderr.
+status 2 and one line on stderr (from rank 0 under torchrun; see integration/errors.py).
 """
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         install()
         runpy.run_path(script, run_name="__main__")
-    except ConfigError as e:
-        print(f"megatron_vshape: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # found alike on every rank (Megatron-LM parses and validates on each): said once
+        from .integration.errors import report
+
+        report("megatron_vshape", str(e), shared=True)
         return 2
     return 0
 
