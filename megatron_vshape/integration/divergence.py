@@ -71,8 +71,9 @@ class Counters:
         return out
 
     def status(self) -> str:
-        """The summary's status: "ok" only when every iteration updated the model with finite numbers."""
-        if not (self.skipped or self.nan):
+        """The summary's status: "ok" when every iteration updated the model with finite numbers, or
+        when the only skips are fp16 loss scaling's (by design, at the start of every fp16 run)."""
+        if not self.nan and (not self.skipped or self.fp16):
             return "ok"
         return f"ok with {self.skipped} skipped and {self.nan} nan iteration(s)"
 
