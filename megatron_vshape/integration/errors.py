@@ -37,11 +37,15 @@ def global_rank() -> int:
 def report(prog: str, message: str, *, shared: bool) -> None:
     """Say `prog: error: message` once.  `shared`: every rank found the same error, so rank 0
     alone prints it; else this rank prints it, naming itself when there are several."""
-    rank = global_rank()
     several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if not shared and several and not message.startswith("rank "):
-        message = f"rank {rank}: {message}"
-    line = f"{prog}: error: {message}"
+        message = f"rank {global_rank()}: {message}"
+    say(f"{prog}: error: {message}", shared=shared)
+
+
+def say(line: str, *, shared: bool) -> None:
+    """Print an error line as `report` does (`line` is complete: argparse's own errors come so)."""
+    rank = global_rank()
     if rank == 0 or not shared:
         print(line, file=sys.stderr, flush=True)
     _error_file(line)

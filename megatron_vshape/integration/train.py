@@ -43,7 +43,7 @@ from .args import add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
 from . import startup
-from .errors import report
+from .errors import report, say
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
 PROG = "megatron-vshape pretrain"
@@ -53,8 +53,18 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 
 # ---- flags ---------------------------------------------------------------------------------------
 
+class _Parser(Parser):
+    """The driver's parser: every rank parses the same flags, so a usage error is said once (rank 0)."""
+
+    def exit(self, status=0, message=None):
+        if status and message:
+            say(message.rstrip("\n"), shared=True)
+            sys.exit(status)
+        super().exit(status, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
+    p = _Parser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML file of flag values (keys are flag names); command-line flags override it")

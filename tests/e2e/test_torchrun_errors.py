@@ -13,17 +13,21 @@ PREFIX = "megatron-vshape pretrain: error: "
 
 
 @pytest.mark.timeout(200)
-def test_a_configuration_error_under_torchrun_is_one_line_and_the_root_cause():
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-schedule", "v-half", "--num-layers", "4"],
+     "--num-layers=4 is not divisible by 2*pp=6; use --num-layers=6"),  # found by validation
+    (["--pipeline-schedule", "v-halff"], "--pipeline-schedule='v-halff' is not one of the choices"),  # by argparse
+])
+def test_a_configuration_error_under_torchrun_is_one_line_and_the_root_cause(argv, message):
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=3",
            os.path.join(ROOT, "scripts", "pretrain_gpt.py"), "--mock-data", "--vocab-size", "63",
-           "--pipeline-model-parallel-size", "3", "--pipeline-schedule", "v-half", "--num-layers", "4",
-           "--global-batch-size", "6"]
+           "--pipeline-model-parallel-size", "3", "--global-batch-size", "6", *argv]
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     out = run.stdout + run.stderr
     ours = [line for line in out.splitlines() if line.startswith(PREFIX)]
     assert len(ours) == 1, out[-4000:]
-    assert "--num-layers=4 is not divisible by 2*pp=6; use --num-layers=6" in ours[0]
+    assert message in ours[0]
     assert run.returncode == 1  # torchrun's own code for any failed rank
     # torchrun's block follows the line and names it as the root cause, with the rank's exit code 2.
     root = out[out.index("Root Cause"):]
