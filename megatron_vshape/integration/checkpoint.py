@@ -18,8 +18,13 @@ Saved:
   * every rank's RNG states (python, numpy, torch, CUDA, megatron-core's tracker), restored only
     when pp, tp, dp and the world size are unchanged: another layout draws other streams.
 
+Each checkpoint also records the size and SHA-256 of every file it wrote (`ckpt_integrity`);
+a load checks them first and refuses a damaged checkpoint, naming the file and the newest intact
+checkpoint beside it (which `fallback` loads instead).
+
 Both functions are collective (every rank calls them); a problem any rank finds before a
-collective starts (no checkpoint, other model sizes, another optimizer) is raised on every rank.
+collective starts (no checkpoint, a damaged file, other model sizes, another optimizer) is raised
+on every rank.
 """
 from __future__ import annotations
 
@@ -185,7 +190,7 @@ def find_checkpoint(path: str, step: Optional[int] = None) -> str:
     return target
 
 
-def _damage(target: str) -> Optional[str]:
+def _damage(target: str, note_unchecked: bool = False) -> Optional[str]:
     """What is wrong with the files of `target` (each rank checks its share), or None; the same on
     every rank.  Collective."""
     problem = None
@@ -197,13 +202,15 @@ def _damage(target: str) -> Optional[str]:
         if manifest is not None:
             names = integrity.share(sorted(manifest), _rank(), _world())
             problem = integrity.problem(target, manifest, names)
+        elif note_unchecked and _rank() == 0:
+            print(f"  {target} has no {integrity.MANIFEST} (saved by an older version): loading it unchecked", flush=True)
     return next((p for p in _gather(problem) if p), None)
 
 
 def _intact(target: str, fallback: bool) -> str:
     """`target` when its files match their checksums, else (with `fallback`) the newest intact
     checkpoint beside it; ConfigError naming the damaged file and that checkpoint.  Collective."""
-    problem = _damage(target)
+    problem = _damage(target, note_unchecked=True)
     if problem is None:
         return target
     root = os.path.dirname(os.path.abspath(target))

@@ -19,8 +19,9 @@ What runs where:
   * logs: Megatron-style lines every --log-interval, and on global rank 0 the VSHAPE_METRICS and
     VSHAPE_SUMMARY lines (the contract in the team brief).
 
-Exit status: 2 for a configuration error (found before any process group exists), 1 for a
-failure while running.
+Exit status: 2 for a configuration error (found before any process group exists, or a damaged
+checkpoint), 1 for a failure while running (a diverged run: `divergence`); under torchrun the error
+is said once (`errors`) and torchrun itself exits 1.
 """
 from __future__ import annotations
 
