@@ -38,7 +38,9 @@ def report(prog: str, message: str, *, shared: bool) -> None:
     """Say `prog: error: message` once.  `shared`: every rank found the same error, so rank 0
     alone prints it; else this rank prints it, naming itself when there are several."""
     several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    if not shared and several and not message.startswith("rank "):
+    # The global rank, unless the message starts with it (a p2p timeout names its pipeline rank,
+    # the same number only without data parallelism).
+    if not shared and several and not message.startswith(f"rank {global_rank()}:"):
         message = f"rank {global_rank()}: {message}"
     say(f"{prog}: error: {message}", shared=shared)
 
