@@ -98,7 +98,7 @@ def _validate_args(orig):
 def _announce(plan, args) -> None:
     if getattr(args, "rank", 0) == 0:
         placement = plan.schedule.placement
-        why = f" ({plan.reason})" if plan.reason else ""
+        why = f" ({plan.reason})" if plan.reason else f" (from {plan.source})" if plan.source else ""
         print(f"megatron_vshape: pipeline schedule {plan.name}{why}: pp={plan.pp}, {placement.kind} placement, "
               f"{placement.chunks} chunk(s) per rank, {plan.num_microbatches} microbatches", flush=True)
 
