@@ -203,7 +203,8 @@ def _damage(target: str, note_unchecked: bool = False) -> Optional[str]:
             names = integrity.share(sorted(manifest), _rank(), _world())
             problem = integrity.problem(target, manifest, names)
         elif note_unchecked and _rank() == 0:
-            print(f"  {target} has no {integrity.MANIFEST} (saved by an older version): loading it unchecked", flush=True)
+            print(f"  {target} has no {integrity.MANIFEST} (saved by an older version): loading it unchecked",
+                  flush=True)
     return next((p for p in _gather(problem) if p), None)
 
 

@@ -60,10 +60,12 @@ def check_numbers(args) -> None:
 def check_combinations(args) -> None:
     """Flags that depend on each other; the message blames the one that is out of line."""
     decay = args.lr_decay_iters or args.train_iters
-    decay_flag = f"--lr-decay-iters={args.lr_decay_iters}" if args.lr_decay_iters else f"--train-iters={args.train_iters}"
+    decay_flag = f"--lr-decay-iters={args.lr_decay_iters}" if args.lr_decay_iters else \
+        f"--train-iters={args.train_iters}"
     if args.lr_warmup_iters >= decay:
-        raise ConfigError(f"--lr-warmup-iters={args.lr_warmup_iters} must be below the decay iterations ({decay_flag}); "
-                          f"lower --lr-warmup-iters to at most {decay - 1}, or raise {decay_flag.split('=')[0]}")
+        raise ConfigError(f"--lr-warmup-iters={args.lr_warmup_iters} must be below the decay iterations "
+                          f"({decay_flag}); lower --lr-warmup-iters to at most {decay - 1}, or raise "
+                          f"{decay_flag.split('=')[0]}")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr={args.min_lr} is above --lr={args.lr}; the learning rate decays from --lr down to "
                           f"--min-lr: lower --min-lr or raise --lr")

@@ -40,10 +40,10 @@ from typing import Dict, List, Optional
 
 from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
+from . import startup
 from .args import add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
-from . import startup
 from .errors import report, say
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
@@ -813,7 +813,8 @@ def _summary(args, plan, history, peak_act, rss0, device, counters, status=None)
     if device.type == "cuda" and median_time:
         tflops = model_flops(args, args.global_batch_size * args.seq_length) / median_time / dist.get_world_size() / 1e12
     summary = {
-        "status": status or counters.status(), "schedule": plan.name if plan else "none", "pp": args.pipeline_model_parallel_size,
+        "status": status or counters.status(), "schedule": plan.name if plan else "none",
+        "pp": args.pipeline_model_parallel_size,
         "tp": args.tensor_model_parallel_size, "dp": args.data_parallel_size, "world_size": dist.get_world_size(),
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
         "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
