@@ -197,9 +197,9 @@ class _Step:
                                   f"in B order, but {problem}; use a schedule whose W follow B order per stage")
         self.stats = ex.stats
         self.contributors = self._contributors()
-        # Last: posts the first receives, after every configuration check has passed.
+        # The channels open in run(): posting the first receives starts the step's GPU rules.
         expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
-        self.p2p = P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
+        self.open_p2p = lambda: P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
 
     # ---- grad / param sync rules (see module docstring) --------------------------------------
     def _sync_points(self):
@@ -277,14 +277,19 @@ class _Step:
                 contexts[c].__exit__(None, None, None)
                 contexts[c] = None
 
-        if cfg.timers is not None:
-            cfg.timers("forward-backward", log_level=1).start(barrier=cfg.barrier_with_L1_time)
+        # Megatron's timers synchronize the device: start this one before any receive is posted,
+        # and keep megatron's per-microbatch ones (forward_step, backward_step) out of the step.
+        timers = cfg.timers
+        if timers is not None:
+            timers("forward-backward", log_level=1).start(barrier=cfg.barrier_with_L1_time)
         if self.stats is not None:
             for chunk in self.model:
                 self.stats.exclude_parameters(chunk.parameters())
             wgrad.set_tracker(self.stats.hold)
         for c in range(nchunks):
             disable(c)
+        cfg.timers = None
+        self.p2p = self.open_p2p()
         inputs: Dict[Tuple[int, int], object] = {}
         outputs: Dict[Tuple[int, int], object] = {}
         arrived: Dict[Message, torch.Tensor] = {}
@@ -313,6 +318,8 @@ class _Step:
                 if op.kind == F and op.stage < self.S - 1 and not self.forward_only:
                     # Sent (or handed over) through a detached alias: free the data, keep grad_fn.
                     deallocate_output_tensor(out, cfg.deallocate_pipeline_outputs)
+                if self.stats is not None:
+                    self.stats.sample(self._buffers(outputs, arrived))
                 for k in lifted:
                     if i != done[k]:
                         disable(k)
@@ -323,17 +330,26 @@ class _Step:
                             grad_sync[k](self.model[k].parameters())
             self.p2p.finish()
         finally:
+            cfg.timers = timers
             if self.stats is not None:
                 wgrad.set_tracker(None)
             for c in range(nchunks):
                 enable(c)
+        if self.stats is not None:
+            self.stats.resolve()  # waits for the device: every receive of the step is issued
         losses = self._ship_losses(store, total_tokens)
         if cfg.finalize_model_grads_func is not None and not self.forward_only:
             cfg.finalize_model_grads_func(self.model, total_tokens if cfg.calculate_per_token_loss else None,
                                           pg_collection=self.pg_collection, force_all_reduce=self.force_all_reduce)
-        if cfg.timers is not None:
-            cfg.timers("forward-backward").stop()
+        if timers is not None:
+            timers("forward-backward").stop()
         return losses
+
+    def _buffers(self, outputs, arrived):
+        """Pipeline tensors alive beside the saved activations: posted receive buffers, received
+        messages not yet consumed, sends in flight, stage outputs kept whole (not deallocated)."""
+        kept = [y for y in outputs.values() if isinstance(y, torch.Tensor) and y.numel() > 1]
+        return self.p2p.buffers() + list(arrived.values()) + kept
 
     # ---- one op ------------------------------------------------------------------------------
     def _compute(self, op, c, inputs, outputs, arrived, wgrads, store):

@@ -6,10 +6,19 @@ process group, so at pp=2 (previous and next rank are the same peer) a send in o
 can never be matched against a receive of the other: messages of one group are matched in
 posting order, and only one direction ever uses it.
 
-Receives are posted ahead (one outstanding receive per incoming channel, always for the next
-message of that channel), so they overlap compute; sends are posted right after the producing
-op and waited for at the end of the step.  Nothing here is CUDA-specific: the device comes
-from the model's parameters, the backend from the process group.
+Receives are posted ahead (`RECEIVES_AHEAD` outstanding receives per incoming channel, always
+for the next messages of that channel), so they overlap compute; sends are posted right after the
+producing op and waited for at the end of the step.  Nothing here is CUDA-specific: the device
+comes from the model's parameters, the backend from the process group.
+
+GPU rules (docs/architecture.md): from the first posted receive to `finish()`, nothing may block
+the host on the device, since a posted NCCL receive is a kernel waiting for a peer that may wait
+for this rank.  So on NCCL a wait is `work.wait()`, which
+makes the compute stream wait for the communication and returns at once; a peer that never sends
+is reported by the process group's watchdog when the channel's timeout (the executor's
+`p2p_timeout`, set on each channel's group) passes: it names the operation (RECV or SEND) and the
+group (`vshape p2p SRC->DST`), and with TORCH_NCCL_ASYNC_ERROR_HANDLING (default on) it aborts
+the communicator and ends the process, so torchrun reports the rank.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..schedule.comm import Message
+from ..schedule.comm import RECEIVES_AHEAD, Message
 
 _GROUPS: Dict[Tuple[int, ...], Dict[Tuple[int, int], dist.ProcessGroup]] = {}
 
@@ -30,11 +39,12 @@ class P2PTimeout(RuntimeError):
     """A receive (or the end-of-step wait for a send) did not complete within the timeout."""
 
 
-def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] = None
-                       ) -> Dict[Tuple[int, int], dist.ProcessGroup]:
+def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] = None,
+                       timeout: Optional[float] = None) -> Dict[Tuple[int, int], dist.ProcessGroup]:
     """One process group per direction (src, dst) of each pair of pipeline-ring neighbours.
 
-    Keys are global ranks; `device` is where this rank's tensors live (used under NCCL).  Creating
+    Keys are global ranks; `device` is where this rank's tensors live (used under NCCL); `timeout`
+    (seconds) bounds every operation on them (NCCL's watchdog enforces it).  Creating
     groups is collective over the whole world, so every rank learns every pipeline's ranks first
     and all ranks create the same groups in the same order.
     Cached: call it from every rank on the first step (the executor does).
@@ -55,7 +65,9 @@ def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] =
                 if pair not in pairs:
                     pairs.append(pair)
         me = dist.get_rank()
-        groups = {pair: dist.new_group(list(pair)) for pair in pairs}  # collective: all ranks, same order
+        limit = None if timeout is None else timedelta(seconds=timeout)
+        groups = {pair: dist.new_group(list(pair), timeout=limit, group_desc=f"vshape p2p {pair[0]}->{pair[1]}")
+                  for pair in pairs}  # collective: all ranks, same order
         if ranks not in _GROUPS:
             _GROUPS[ranks] = {pair: g for pair, g in groups.items() if me in pair}
     if dist.get_backend() == "nccl":
@@ -83,7 +95,7 @@ class P2P:
                  shape: Sequence[int], dtype: torch.dtype, device: torch.device, timeout: float):
         self.pp_ranks, self.rank = list(pp_ranks), rank
         self.shape, self.dtype, self.device, self.timeout = tuple(shape), dtype, device, timeout
-        self.groups = directional_groups(self.pp_ranks, device)
+        self.groups = directional_groups(self.pp_ranks, device, timeout)
         self.expected = {src: deque(msgs) for src, msgs in expected.items()}
         self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
         self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
@@ -95,14 +107,14 @@ class P2P:
         return self.groups[(self.pp_ranks[src], self.pp_ranks[dst])]
 
     def _post_next(self, src: int) -> None:
-        """Keep one receive posted on channel `src` -> self, for its next message."""
-        if not self.expected[src] or self.posted[src]:
-            return
-        msg = self.expected[src].popleft()
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        op = dist.P2POp(dist.irecv, buf, self.pp_ranks[src], self._group(src, self.rank))
-        work = dist.batch_isend_irecv([op])[0]
-        self.posted[src].append(_PendingRecv(msg, buf, work))
+        """Keep RECEIVES_AHEAD receives posted on channel `src` -> self, for its next messages
+        (what schedule.comm.device_stall proves deadlock-free under NCCL's ordering)."""
+        while self.expected[src] and len(self.posted[src]) < RECEIVES_AHEAD:
+            msg = self.expected[src].popleft()
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            op = dist.P2POp(dist.irecv, buf, self.pp_ranks[src], self._group(src, self.rank))
+            work = dist.batch_isend_irecv([op])[0]
+            self.posted[src].append(_PendingRecv(msg, buf, work))
 
     def recv(self, msg: Message, src: int, op_name: str) -> torch.Tensor:
         """Take the next message off channel `src`; the plan says it is `msg`."""
@@ -125,7 +137,13 @@ class P2P:
         op = dist.P2POp(dist.isend, payload, self.pp_ranks[dst], self._group(self.rank, dst))
         work = dist.batch_isend_irecv([op])[0]
         self.sends.append((msg, dst, work, payload))
+        # Drop finished sends, so their payloads (stage outputs) are freed during the step;
+        # is_completed() queries without blocking on every backend.
         self.sends = [s for s in self.sends if not s[2].is_completed()]
+
+    def buffers(self) -> List[torch.Tensor]:
+        """Receive buffers posted and send payloads in flight (for memory accounting)."""
+        return [p.tensor for q in self.posted.values() for p in q] + [s[3] for s in self.sends]
 
     def finish(self) -> None:
         """Wait for every send of the step; every receive must have been consumed."""
@@ -138,24 +156,20 @@ class P2P:
         self.sends = []
 
     def _wait(self, work, what: str) -> None:
+        if not self.gloo:
+            # NCCL: wait() makes the current (compute) stream wait for the communication and
+            # returns; the host never blocks here (see the module docstring for timeouts).
+            work.wait()
+            return
+        # gloo blocks in wait() and honours its timeout: no spinning on shared CPU cores.
         start = time.monotonic()
-        if self.gloo:
-            # gloo blocks in wait() and honours its timeout: no spinning on shared CPU cores.
-            try:
-                work.wait(timedelta(seconds=self.timeout))
-                return
-            except RuntimeError as exc:
-                if time.monotonic() - start < self.timeout * 0.99 and "imeout" not in str(exc):
-                    raise
-                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
-                                 f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
-        # NCCL and others: wait() only orders streams, so poll completion against the deadline.
-        while not work.is_completed():
-            if time.monotonic() - start > self.timeout:
-                raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
-                                 f"or get_forward_backward_func's p2p_timeout, to wait longer)")
-            time.sleep(1e-4)
-        work.wait()
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if time.monotonic() - start < self.timeout * 0.99 and "imeout" not in str(exc):
+                raise
+            raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
+                             f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
 
 
 def local_activation(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
