@@ -40,8 +40,8 @@ from typing import Dict, List, Optional
 
 from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
-from . import startup
-from .args import add_pipeline_arguments, validate_pipeline_args
+from . import gpu_defaults, startup
+from .args import TE_MIN_FOR_SPLIT, _te_version, add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
 from .errors import report, say
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-dropout", type=float, default=0.1)
     m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--init-method-std", type=float, default=0.02)
-    m.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    m.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="default: transformer_engine on GPUs where Transformer Engine is installed, else local")
     m.add_argument("--bf16", action="store_true")
     m.add_argument("--fp16", action="store_true")
     par = p.add_argument_group("parallelism")
@@ -221,6 +222,8 @@ def validate(args, world_size: Optional[int] = None):
                           "and Float16Module need CUDA; train in fp32 on CPU (drop the flag)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ConfigError("--transformer-impl transformer_engine needs GPUs; use --transformer-impl local on CPU")
+    args.transformer_impl = gpu_defaults.transformer_impl(args.transformer_impl, cuda, _te_version(),
+                                                          bool(plan and plan.schedule.split_backward), TE_MIN_FOR_SPLIT)
     if bool(args.mock_data) == bool(args.data_path):
         raise ConfigError("pass exactly one of --mock-data and --data-path PREFIX")
     if args.vocab_size is None:
@@ -271,8 +274,7 @@ def transformer_config(args, device):
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, use_cpu_initialization=not gpu,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        **gpu_defaults.config_options(args, gpu),  # fusions and output deallocation on GPUs
         # Not delay_wgrad_compute: megatron-core 0.16 allows it only with MoE expert-parallel overlap.
     )
 
@@ -351,6 +353,15 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def use_megatron_optimizer(config, chunks, optimizer, finalize_model_grads) -> None:
+    """The hooks Megatron-LM's training loop sets for megatron-core's optimizer and DDP chunks.
+    grad_scale_func: backward_step multiplies each loss by the optimizer's loss scale (fp16's
+    dynamic scale, 1 otherwise), which the optimizer divides out of the gradients again."""
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+
+
 def build_optimizer(args, chunks, config, device):
     """(chunks as trained, optimizer, scheduler)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -371,8 +382,7 @@ def build_optimizer(args, chunks, config, device):
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
             use_distributed_optimizer=False), chunks)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        use_megatron_optimizer(config, chunks, optimizer, finalize_model_grads)
     else:
         from ..runtime.grads import finalize_grads
 
@@ -619,7 +629,7 @@ def run(args, plan) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     history, metrics = [], []
-    peak_act = 0
+    peaks = {"act": 0, "total": 0, "act_at_peak": 0, "buffers": 0}  # bytes, this rank, over the steps
     window = {"time": 0.0, "iters": 0}
     eval_round = 0
     replanned = None
@@ -627,7 +637,7 @@ def run(args, plan) -> dict:
     for it in range(start_iter, args.train_iters):
         if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
             replanned = _replan(fb, it)
-        batches = _microbatches(args, data.train, it, dp_rank)
+        batches = _microbatches(args, data.train, it, dp_rank, device)
         optimizer.zero_grad()
         for c in chunks:
             if hasattr(c, "zero_grad_buffer"):  # megatron-core DDP (GPU)
@@ -645,20 +655,23 @@ def run(args, plan) -> dict:
         updated, grad_norm, _ = (False, None, None) if stop else optimizer.step()
         stop = stop or counters.record(it + 1, loss, grad_norm, updated, lr)
         if stop:
-            _summary(args, plan, history, peak_act, rss0, device, counters, "diverged")
+            _summary(args, plan, history, peaks, rss0, device, counters, "diverged")
             raise Diverged(stop)
         if updated:
             scheduler.step(increment=args.global_batch_size)
         dist.barrier()
         iter_time = time.perf_counter() - t0
         figures = step_figures(recorder.ops, t0, placement.chunks)
-        peak_act = max(peak_act, recorder.peak_bytes)
+        peaks["act"] = max(peaks["act"], recorder.peak_bytes)
+        if recorder.peak_total_bytes > peaks["total"]:
+            peaks.update(total=recorder.peak_total_bytes, act_at_peak=recorder.activations_at_peak,
+                         buffers=recorder.buffers_at_peak)
         history.append({"iteration": it + 1, "loss": loss, "time": iter_time, "figures": figures,
                         "grad_norm": grad_norm})
         window["time"] += iter_time
         window["iters"] += 1
         if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler,
+            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peaks, rss0, device, scheduler,
                                 counters))
             window = {"time": 0.0, "iters": 0}
         if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
@@ -670,7 +683,7 @@ def run(args, plan) -> dict:
                                  extra={"consumed_samples": (it + 1) * args.global_batch_size},
                                  retain=args.save_retain, keep=resumed)
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
-    summary = _summary(args, plan, history, peak_act, rss0, device, counters)
+    summary = _summary(args, plan, history, peaks, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary
 
@@ -692,11 +705,13 @@ def _build_data(args, eval_samples):
     return build_datasets(args, args.train_iters * args.global_batch_size, eval_samples)
 
 
-def _microbatches(args, dataset, iteration, dp_rank):
+def _microbatches(args, dataset, iteration, dp_rank, device):
+    """The step's microbatches, already on `device`: a copy from pageable host memory inside the
+    step may wait for the stream, and so for posted receives (docs/architecture.md, GPU rules)."""
     from .data import microbatches
 
-    return microbatches(dataset, iteration, args.global_batch_size, dp_rank, args.micro_batch_size,
-                        args.num_microbatches)
+    return [{k: v.to(device) for k, v in b.items()} for b in microbatches(
+        dataset, iteration, args.global_batch_size, dp_rank, args.micro_batch_size, args.num_microbatches)]
 
 
 def _iters(batches, chunks):
@@ -718,7 +733,7 @@ def evaluate(args, fb, chunks, data, iteration, eval_round, dp_rank, device):
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for k in range(args.eval_iters):
-            batches = _microbatches(args, data.valid, eval_round * args.eval_iters + k, dp_rank)
+            batches = _microbatches(args, data.valid, eval_round * args.eval_iters + k, dp_rank, device)
             out = fb(forward_step_func=forward_step, data_iterator=_iters(batches, len(chunks)), model=chunks,
                      num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                      micro_batch_size=args.micro_batch_size, forward_only=True)
@@ -742,16 +757,26 @@ def _gather_pp(value):
     return out
 
 
-def _memory(peak_act, rss0, device):
+def _memory(peaks, rss0, device):
+    """Per pipeline rank: peak activations (saved for backward), the peak of activations plus
+    pipeline buffers (receive buffers, unconsumed messages, sends in flight, stage outputs kept
+    whole) with its two parts, and the allocator's peaks (GPU) or the RSS growth (CPU)."""
     import torch
 
-    allocated = torch.cuda.max_memory_allocated() if device.type == "cuda" else max(0, max_rss_bytes() - rss0)
-    return _gather_pp({"act": peak_act, "alloc": allocated})
+    gpu = device.type == "cuda"
+    return _gather_pp({**peaks, "alloc": torch.cuda.max_memory_allocated() if gpu else max(0, max_rss_bytes() - rss0),
+                       "reserved": torch.cuda.max_memory_reserved() if gpu else None})
 
 
-def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, device, scheduler, counters):
+def _memory_record(mem) -> dict:
+    return {"peak_reserved_bytes": [x["reserved"] for x in mem],
+            "activations_at_peak_bytes": [x["act_at_peak"] for x in mem],
+            "pipeline_buffer_bytes_at_peak": [x["buffers"] for x in mem]}
+
+
+def _log(args, iteration, loss, grad_norm, window, figures, peaks, rss0, device, scheduler, counters):
     per_rank = _gather_pp(figures)
-    mem = _memory(peak_act, rss0, device)
+    mem = _memory(peaks, rss0, device)
     makespan = max(f["end"] for f in per_rank)
     bubble = 1 - max(f["busy"] for f in per_rank) / makespan if makespan > 0 and any(f["busy"] for f in per_rank) \
         else None
@@ -779,17 +804,19 @@ def _log(args, iteration, loss, grad_norm, window, figures, peak_act, rss0, devi
     line += f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d}"
     line += (f" | bubble: {100 * bubble:.1f}%" if bubble is not None else "") + \
         f" | peak activations MiB per pp rank: {mib(act)} | peak {'allocated' if device.type == 'cuda' else 'RSS growth'}" \
-        f" MiB: {mib(alloc)}"
+        f" MiB: {mib(alloc)}" + (f" | peak reserved MiB: {mib(x['reserved'] for x in mem)}" if device.type == "cuda" else "") + \
+        f" | at the peak, activations + pipeline buffers MiB: " + \
+        "/".join(f"{x['act_at_peak'] / 2**20:.2f}+{x['buffers'] / 2**20:.2f}" for x in mem)
     _print0(line)
     record = {"iteration": iteration, "train_iters": args.train_iters, "loss": loss, "lr": lr, "grad_norm": grad_norm,
               "iter_time_s": iter_time, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops, "mfu": mfu,
               "bubble_rate": bubble, "peak_activation_bytes": act, "peak_allocated_bytes": alloc,
-              "skipped_iterations": skipped, "nan_iterations": nan}
+              "skipped_iterations": skipped, "nan_iterations": nan, **_memory_record(mem)}
     _print0("VSHAPE_METRICS " + json.dumps(json_safe(record), allow_nan=False))
     return record
 
 
-def _summary(args, plan, history, peak_act, rss0, device, counters, status=None):
+def _summary(args, plan, history, peaks, rss0, device, counters, status=None):
     import torch.distributed as dist
 
     # Op times from the second iteration on (the first warms up), per rank's share of the model.
@@ -800,7 +827,7 @@ def _summary(args, plan, history, peak_act, rss0, device, counters, status=None)
             kinds.setdefault(kind, []).append(value)
     mine = {k: statistics.median(v) for k, v in kinds.items()}
     per_rank = _gather_pp({"kinds": mine, "bubbles": [(h["figures"]["busy"], h["figures"]["end"]) for h in steady]})
-    mem = _memory(peak_act, rss0, device)
+    mem = _memory(peaks, rss0, device)
     bubbles = []
     for i in range(len(steady)):
         busy = max(r["bubbles"][i][0] for r in per_rank)
@@ -822,6 +849,7 @@ def _summary(args, plan, history, peak_act, rss0, device, counters, status=None)
         "first_loss": history[0]["loss"] if history else None, "final_loss": history[-1]["loss"] if history else None,
         "median_iter_time_s": median_time, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
         "peak_activation_bytes": [x["act"] for x in mem], "peak_allocated_bytes": [x["alloc"] for x in mem],
+        **_memory_record(mem),
         "measured_costs": measured_costs([r["kinds"] for r in per_rank]) if plan else None,
         "measured_bubble_rate": statistics.median(bubbles) if bubbles else None,
         "config_name": args.config_name,
