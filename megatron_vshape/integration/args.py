@@ -213,6 +213,7 @@ def _check_options_the_runtime_refuses(args, name: str, schedule: Schedule) -> N
     if getattr(args, "variable_seq_lengths", False):
         raise ConfigError(f"variable sequence lengths are not supported with --pipeline-schedule {name}; "
                           "use a fixed --seq-length")
+    _check_gpu_options(args, name, schedule)
     impl = getattr(args, "transformer_impl", None)
     if impl == "transformer_engine" and schedule.split_backward:
         version = _te_version()
@@ -225,6 +226,29 @@ def _check_options_the_runtime_refuses(args, name: str, schedule: Schedule) -> N
                               f"supports from {'.'.join(map(str, TE_MIN_FOR_SPLIT))} (delay_wgrad_compute); found "
                               f"{'.'.join(map(str, version))}: upgrade it, pass --transformer-impl local, or use a "
                               f"schedule without W (1f1b, 1f1b-interleaved)")
+
+
+def _check_gpu_options(args, name: str, schedule: Schedule) -> None:
+    """Megatron-LM options the GPU path cannot honour under a pipeline schedule."""
+    level = _get(args, "timing_log_level", 0) or 0
+    if level >= 2:
+        raise ConfigError(f"--timing-log-level={level} times every microbatch with torch.cuda.synchronize inside the "
+                          f"step, which waits for the receives --pipeline-schedule {name} has posted and hangs the "
+                          "pipeline; use --timing-log-level 1 (per-op times come from the schedule's recorder)")
+    if _get(args, "tp_comm_overlap", False) and schedule.split_backward:
+        raise ConfigError(f"--tp-comm-overlap (Transformer Engine's userbuffer overlap) with --pipeline-schedule {name}: "
+                          "the userbuffers overlap each weight-gradient GEMM with its layer's input-gradient "
+                          "communication, but this schedule runs weight gradients later, in W ops; unset "
+                          "--tp-comm-overlap or use a schedule without W (1f1b, 1f1b-interleaved)")
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    ordered = [f for f in ("sequence_parallel", "tp_comm_overlap") if _get(args, f, False)]
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if tp > 1 and ordered and connections != "1":
+        raise ConfigError(f"CUDA_DEVICE_MAX_CONNECTIONS={connections or 'unset'} with --tensor-model-parallel-size={tp} "
+                          f"and {', '.join('--' + f.replace('_', '-') for f in ordered)}: megatron-core overlaps the "
+                          "tensor-parallel communication with compute by the order kernels are issued in, which only "
+                          "one device queue keeps; export CUDA_DEVICE_MAX_CONNECTIONS=1 (the pipeline's own "
+                          "communication is proven deadlock-free under it)")
 
 
 def _te_version():
