@@ -349,15 +349,15 @@ def fp16_loss_scale() -> Tuple[str, str]:
 
     from megatron_vshape.integration.train import use_megatron_optimizer
 
-    seq, vocab = 256, 1024
+    seq, vocab, scale_wanted = 256, 1024, 2.0 ** 12
     model, config = _gpt(True, "fp16", 512, 2, seq, vocab)
     batch = _batch(True, seq, vocab)
     _zero(model)
-    _loss(model, batch).backward()
+    (_loss(model, batch) * scale_wanted).backward()  # by hand, as a reference (unscaled fp16 grads underflow)
     _finish(model)
-    unscaled = sum(float(g.pow(2).sum()) for g in _grads(model).values() if g is not None) ** 0.5
+    unscaled = sum(float(g.pow(2).sum()) for g in _grads(model).values() if g is not None) ** 0.5 / scale_wanted
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, fp16=True, params_dtype=config.params_dtype,
-                                                       initial_loss_scale=2.0 ** 12, clip_grad=1e9), [model])
+                                                       initial_loss_scale=scale_wanted, clip_grad=1e9), [model])
     use_megatron_optimizer(config, [model], optimizer, finalize_model_grads)
     scale = float(optimizer.get_loss_scale())
     _zero(model)
@@ -365,7 +365,7 @@ def fp16_loss_scale() -> Tuple[str, str]:
     _finish(model)
     updated, norm, _ = optimizer.step()
     ratio = norm / unscaled
-    good = updated and abs(ratio - 1) < 1e-2 and scale == 2.0 ** 12
+    good = updated and abs(ratio - 1) < 1e-2 and scale == scale_wanted
     return (OK if good else FAIL), (f"loss scale {scale:g}; optimizer's grad norm / unscaled = {ratio:.4f} "
                                     f"(updated: {updated})")
 
