@@ -24,6 +24,7 @@ SKIP = [
      r"|scripts/bench/(cpu_pipeline|sweep_cpu)\.py",
      "starts training ranks (minutes on CPU); tests/distributed and tests/e2e run these paths"),
     (r"\b(sbatch|srun|salloc|squeue)\b|scripts/slurm/", "needs a SLURM cluster (tests/e2e covers the local one)"),
+    (r"scripts/gpu_check\.py", "starts training ranks (a minute on CPU); tests/e2e/test_gpu_check.py runs it"),
     (r"scripts/bench/schedules\.py", "simulates the whole benchmark grid (minutes)"),
     (r"scripts/bench/report\.py", "reads the logs of a sweep that the skipped commands above produce"),
     (r"megatron-vshape profile\b", "reads the per-rank stats files a training run dumps"),
