@@ -10,13 +10,15 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Per pipeline rank: the reserved peak (GPU; null on CPU), and activations and pipeline buffers at their peak.
+MEMORY_KEYS = {"peak_reserved_bytes", "activations_at_peak_bytes", "pipeline_buffer_bytes_at_peak"}
 METRICS_KEYS = {"iteration", "train_iters", "loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
                 "mfu", "bubble_rate", "peak_activation_bytes", "peak_allocated_bytes", "skipped_iterations",
-                "nan_iterations"}
+                "nan_iterations"} | MEMORY_KEYS
 SUMMARY_KEYS = {"status", "schedule", "pp", "tp", "dp", "world_size", "num_layers", "hidden_size", "seq_length",
                 "micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "first_loss", "final_loss",
                 "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "peak_activation_bytes", "peak_allocated_bytes",
-                "measured_costs", "measured_bubble_rate", "config_name", "skipped_iterations", "nan_iterations"}
+                "measured_costs", "measured_bubble_rate", "config_name", "skipped_iterations", "nan_iterations"} | MEMORY_KEYS
 
 
 def _env():
@@ -64,6 +66,7 @@ def test_torchrun_on_indexed_data_with_a_config_file_and_an_overriding_flag(tmp_
     assert (summary["schedule"], summary["pp"], summary["train_iters"], summary["num_microbatches"]) == ("v-zb", 2, 4, 4)
     assert summary["status"] == "ok" and summary["config_name"] == "tiny"
     assert len(summary["peak_activation_bytes"]) == 2 and all(summary["peak_activation_bytes"])
+    assert all(summary["pipeline_buffer_bytes_at_peak"]) and all(summary["activations_at_peak_bytes"])
     assert set(summary["measured_costs"]) == {"F", "B", "W", "C"} and summary["measured_costs"]["W"] > 0
     assert run.stdout.count("validation loss at iteration") == 2
     assert " iteration        2/       4 |" in run.stdout and "lm loss:" in run.stdout
