@@ -235,6 +235,17 @@ def _check_gpu_options(args, name: str, schedule: Schedule) -> None:
         raise ConfigError(f"--timing-log-level={level} times every microbatch with torch.cuda.synchronize inside the "
                           f"step, which waits for the receives --pipeline-schedule {name} has posted and hangs the "
                           "pipeline; use --timing-log-level 1 (per-op times come from the schedule's recorder)")
+    checks = [f for f in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss", "check_for_large_grads")
+              if _get(args, f, False)]
+    if checks and _get(args, "distributed_backend", "nccl") == "nccl":
+        # --check-for-nan-in-loss-and-grad is on by default in Megatron-LM: its off switch is --no-...
+        fixes = ["pass --no-check-for-nan-in-loss-and-grad" if f == "check_for_nan_in_loss_and_grad"
+                 else f"unset {_flag(f)}" for f in checks]
+        raise ConfigError(f"{', '.join(_flag(f) for f in checks)} with --pipeline-schedule {name}: Megatron-LM "
+                          "validates the loss (in pretrain_gpt's loss_func) and gradients (in DDP's grad hooks) on the "
+                          "host inside the step, which waits for the device and so for the receives the schedule has "
+                          f"posted, and hangs the pipeline over NCCL; {' and '.join(fixes)} (megatron-core's optimizer "
+                          "still skips a step whose gradients are not finite)")
     if _get(args, "tp_comm_overlap", False) and schedule.split_backward:
         raise ConfigError(f"--tp-comm-overlap (Transformer Engine's userbuffer overlap) with --pipeline-schedule {name}: "
                           "the userbuffers overlap each weight-gradient GEMM with its layer's input-gradient "
