@@ -19,6 +19,8 @@ Rules derived from the op list (stated once, here):
     megatron-core's golden registration counts need).  With `grad_sync_func`, it is called for c
     right after the latest of those ops.  After the latest of them, c stays synced.
   * Param sync: `config.param_sync_func[c]` is called right before chunk c's first F.
+  * GPU rule (docs/architecture.md): from opening the channels (the first posted receive) to
+    P2P.finish(), nothing blocks the host on the device; op times are read after it.
   * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
     and token count are shipped to the last pipeline rank, which returns them, as Megatron
     expects; other ranks return [].
@@ -288,8 +290,6 @@ class _Step:
             wgrad.set_tracker(self.stats.hold)
         for c in range(nchunks):
             disable(c)
-        cfg.timers = None
-        self.p2p = self.open_p2p()
         inputs: Dict[Tuple[int, int], object] = {}
         outputs: Dict[Tuple[int, int], object] = {}
         arrived: Dict[Message, torch.Tensor] = {}
@@ -297,6 +297,8 @@ class _Step:
         store: list = []
         total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         try:
+            cfg.timers = None
+            self.p2p = self.open_p2p()
             for i, step in enumerate(self.plan):
                 op = step.op
                 c = self.placement.chunk_of(op.stage)
