@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import registry
-from ..schedule.comm import ACT, Message, channels, input_message, is_remote, rank_plan
+from ..schedule.comm import ACT, Message, channel_streams, channels, input_message, is_remote, rank_plan
 from ..schedule.errors import ConfigError
 from ..schedule.ops import B, BW, F, W, Costs, Schedule
 from ..schedule.verify import forward_only_view, verify
@@ -94,7 +94,7 @@ class _Executor:
             if forward_only:
                 sched = verify(forward_only_view(sched), forward_only=True)
             chans = channels(sched)
-            self._cache[key] = (sched, rank_plan(sched, rank, chans), chans)
+            self._cache[key] = (sched, rank_plan(sched, rank, chans), chans, channel_streams(sched))
         return self._cache[key]
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
@@ -164,7 +164,7 @@ class _Step:
         self.pg_collection, self.force_all_reduce = pg_collection, force_all_reduce
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         self.pp, self.rank = len(self.pp_ranks), self.pp_ranks.index(dist.get_rank())
-        self.sched, self.plan, chans = ex._plan(self.pp, m, forward_only, self.rank)
+        self.sched, self.plan, chans, streams = ex._plan(self.pp, m, forward_only, self.rank)
         self.placement = self.sched.placement
         if len(self.model) != self.placement.chunks:
             raise ConfigError(f"schedule {self.sched.name!r} places {self.placement.chunks} model chunk(s) per rank "
@@ -201,7 +201,8 @@ class _Step:
         self.contributors = self._contributors()
         # The channels open in run(): posting the first receives starts the step's GPU rules.
         expected = {src: msgs for (src, dst), msgs in chans.items() if dst == self.rank}
-        self.open_p2p = lambda: P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout)
+        self.open_p2p = lambda: P2P(self.pp_ranks, self.rank, expected, shape, dtype, self.device, ex.p2p_timeout,
+                                    streams)
 
     # ---- grad / param sync rules (see module docstring) --------------------------------------
     def _sync_points(self):

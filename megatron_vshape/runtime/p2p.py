@@ -6,8 +6,9 @@ process group, so at pp=2 (previous and next rank are the same peer) a send in o
 can never be matched against a receive of the other: messages of one group are matched in
 posting order, and only one direction ever uses it.
 
-Receives are posted ahead (`RECEIVES_AHEAD` outstanding receives per incoming channel, always
-for the next messages of that channel), so they overlap compute; sends are posted right after the
+Each channel's messages rotate over `streams` process groups (`schedule.comm.channel_streams`:
+one for almost every schedule), and one receive per stream is posted ahead, always for the next
+messages of that channel, so they overlap compute; sends are posted right after the
 producing op and waited for at the end of the step.  Nothing here is CUDA-specific: the device
 comes from the model's parameters, the backend from the process group.
 
@@ -30,51 +31,65 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..schedule.comm import RECEIVES_AHEAD, Message
+from ..schedule.comm import Message
 
-_GROUPS: Dict[Tuple[int, ...], Dict[Tuple[int, int], dist.ProcessGroup]] = {}
+# This rank's pipeline groups: pipeline ranks -> {(src, dst, stream): group}; `stream` numbers the
+# communicators of one direction (schedule.comm.channel_streams), made in the same order everywhere.
+_GROUPS: Dict[Tuple[int, ...], Dict[Tuple[int, int, int], dist.ProcessGroup]] = {}
+_MADE: Dict[Tuple[int, ...], Tuple[list, int]] = {}  # pipeline ranks -> (every pipeline of the world, streams made)
 
 
 class P2PTimeout(RuntimeError):
     """A receive (or the end-of-step wait for a send) did not complete within the timeout."""
 
 
-def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] = None,
-                       timeout: Optional[float] = None) -> Dict[Tuple[int, int], dist.ProcessGroup]:
-    """One process group per direction (src, dst) of each pair of pipeline-ring neighbours.
+def _ring_pairs(ranks: Tuple[int, ...]) -> List[Tuple[int, int]]:
+    """Both directions of each pair of pipeline-ring neighbours: r <-> r+1 (single and V
+    placements) and, for Megatron's loop placement, the last rank -> the first."""
+    pairs: List[Tuple[int, int]] = []
+    p = len(ranks)
+    for i in range(p if p > 2 else p - 1):
+        a, b = ranks[i], ranks[(i + 1) % p]
+        pairs += [pair for pair in ((a, b), (b, a)) if pair not in pairs]
+    return pairs
 
-    Keys are global ranks; `device` is where this rank's tensors live (used under NCCL); `timeout`
-    (seconds) bounds every operation on them (NCCL's watchdog enforces it).  Creating
+
+def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] = None,
+                       timeout: Optional[float] = None, streams: int = 1
+                       ) -> Dict[Tuple[int, int, int], dist.ProcessGroup]:
+    """`streams` process groups per direction (src, dst) of each pair of pipeline-ring neighbours,
+    keyed (src, dst, stream) by global ranks.
+
+    `device` is where this rank's tensors live (used under NCCL); `timeout` (seconds) bounds every
+    operation on them (NCCL's watchdog enforces it; the first call's value stays).  Creating
     groups is collective over the whole world, so every rank learns every pipeline's ranks first
-    and all ranks create the same groups in the same order.
-    Cached: call it from every rank on the first step (the executor does).
+    and all ranks create the same groups in the same order; every rank runs the same schedule, so
+    all ask for the same `streams`.  Cached: call it from every rank on the first step (the
+    executor does), and again when a schedule needs more streams.
     """
     key = tuple(pp_ranks)
-    if key in _GROUPS:
+    if key not in _MADE:
+        pipelines: List[Optional[Tuple[int, ...]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(pipelines, key)
+        _MADE[key] = (sorted(set(pipelines)), 0)
+    world, made = _MADE[key]
+    if made >= streams:
         return _GROUPS[key]
-    pipelines: List[Optional[Tuple[int, ...]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(pipelines, key)
-    for ranks in sorted(set(pipelines)):
-        pairs: List[Tuple[int, int]] = []
-        p = len(ranks)
-        # Ring neighbours cover single and V placements (r <-> r+1) and Megatron's loop
-        # placement, whose stage p-1 -> p hop wraps from the last rank to the first.
-        for i in range(p if p > 2 else p - 1):
-            a, b = ranks[i], ranks[(i + 1) % p]
-            for pair in ((a, b), (b, a)):
-                if pair not in pairs:
-                    pairs.append(pair)
-        me = dist.get_rank()
-        limit = None if timeout is None else timedelta(seconds=timeout)
-        groups = {pair: dist.new_group(list(pair), timeout=limit, group_desc=f"vshape p2p {pair[0]}->{pair[1]}")
-                  for pair in pairs}  # collective: all ranks, same order
-        if ranks not in _GROUPS:
-            _GROUPS[ranks] = {pair: g for pair, g in groups.items() if me in pair}
+    me, limit = dist.get_rank(), None if timeout is None else timedelta(seconds=timeout)
+    new = []
+    for stream in range(made, streams):
+        for ranks in world:
+            for a, b in _ring_pairs(ranks):  # collective: all ranks, same order
+                group = dist.new_group([a, b], timeout=limit, group_desc=f"vshape p2p {a}->{b} #{stream}")
+                if me in (a, b):
+                    _GROUPS.setdefault(ranks, {})[(a, b, stream)] = group
+                    new.append(group)
+    _MADE[key] = (world, streams)
     if dist.get_backend() == "nccl":
         # NCCL creates a communicator at its first operation, blocking until the peer's first one:
         # a receive posted ahead on one direction could then wait for a peer that itself waits on
         # the other direction.  Initialise every group now, in the same global order on all ranks.
-        for group in _GROUPS[key].values():
+        for group in new:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
     return _GROUPS[key]
 
@@ -92,10 +107,11 @@ class P2P:
     """
 
     def __init__(self, pp_ranks: Sequence[int], rank: int, expected: Dict[int, List[Message]],
-                 shape: Sequence[int], dtype: torch.dtype, device: torch.device, timeout: float):
-        self.pp_ranks, self.rank = list(pp_ranks), rank
+                 shape: Sequence[int], dtype: torch.dtype, device: torch.device, timeout: float, streams: int = 1):
+        self.pp_ranks, self.rank, self.streams = list(pp_ranks), rank, streams
         self.shape, self.dtype, self.device, self.timeout = tuple(shape), dtype, device, timeout
-        self.groups = directional_groups(self.pp_ranks, device, timeout)
+        self.groups = directional_groups(self.pp_ranks, device, timeout, streams)
+        self.count: Dict[Tuple[int, int], int] = {}  # messages posted so far per (src, dst)
         self.expected = {src: deque(msgs) for src, msgs in expected.items()}
         self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
         self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
@@ -104,12 +120,15 @@ class P2P:
             self._post_next(src)
 
     def _group(self, src: int, dst: int):
-        return self.groups[(self.pp_ranks[src], self.pp_ranks[dst])]
+        """The communicator of the channel's next message: message k goes on stream k mod streams."""
+        k = self.count.get((src, dst), 0)
+        self.count[(src, dst)] = k + 1
+        return self.groups[(self.pp_ranks[src], self.pp_ranks[dst], k % self.streams)]
 
     def _post_next(self, src: int) -> None:
-        """Keep RECEIVES_AHEAD receives posted on channel `src` -> self, for its next messages
+        """Keep one receive posted per stream of channel `src` -> self, for its next messages
         (what schedule.comm.device_stall proves deadlock-free under NCCL's ordering)."""
-        while self.expected[src] and len(self.posted[src]) < RECEIVES_AHEAD:
+        while self.expected[src] and len(self.posted[src]) < self.streams:
             msg = self.expected[src].popleft()
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             op = dist.P2POp(dist.irecv, buf, self.pp_ranks[src], self._group(src, self.rank))

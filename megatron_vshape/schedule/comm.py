@@ -19,12 +19,13 @@ The rule:
     sends that never block and receives that block, finishes.  `verify` checks that.
 
 On GPUs the rule must also hold under NCCL's semantics, which are stricter (`device_stall`):
-a send completes only once the receiver has posted its receive, messages of one channel run in
-order on one communication stream, and with CUDA_DEVICE_MAX_CONNECTIONS=1 a rank's device work
+a send completes only once the receiver has posted its receive, messages of one communicator
+run in order on its stream, and with CUDA_DEVICE_MAX_CONNECTIONS=1 a rank's device work
 launches in the order the host issued it (one hardware queue: a send stuck behind an unmatched
-send of the same channel holds back everything issued after it).  The runtime keeps
-`RECEIVES_AHEAD` receive(s) posted on every incoming channel, from the step's start; `verify`
-proves every schedule deadlock-free under that too.
+send of the same stream holds back everything issued after it).  So the runtime rotates each
+channel's messages over `channel_streams(schedule)` communicators (message k on k mod n), each
+with one receive posted ahead from the step's start; `verify` proves every schedule
+deadlock-free under that too.
 
 Each direction of a rank pair is its own channel, so the runtime gives each direction its
 own communicator: a blocked send in one direction cannot stall a receive in the other
@@ -38,9 +39,9 @@ from typing import Dict, List, Optional, Tuple
 from .ops import B, BACKWARD_KINDS, F, Op, Placement, Schedule, W
 
 ACT, GRAD = "act", "grad"
-# Receives the runtime keeps posted on each incoming channel (runtime/p2p.py posts the next one
-# as soon as it takes one off): what `device_stall` assumes.
-RECEIVES_AHEAD = 1
+# Most communicators per channel direction (`channel_streams`); one is enough for every schedule
+# but a few v-auto plans (large budgets and hop costs), which need two.
+MAX_CHANNEL_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -145,42 +146,44 @@ def rank_plan(schedule: Schedule, rank: int, chans: Optional[Dict] = None) -> Li
     return steps
 
 
-def _issue_order(schedule: Schedule, rank: int, chans, ahead: int) -> List[tuple]:
+def _issue_order(schedule: Schedule, rank: int, chans, streams: int, post_ahead: bool) -> List[tuple]:
     """What `rank` hands its device, in host order: ("post", src, k) a receive of message k of
     channel src->rank, ("wait", src, k) compute waits for it, ("op",), ("send", dst, k), and at
-    the end ("sent", dst, k) the wait for the last send of each channel."""
+    the end ("sent", dst, k) the waits for the last sends of each channel."""
     pl = schedule.placement
     incoming = {src: msgs for (src, dst), msgs in chans.items() if dst == rank}
     index = {m: i for (src, dst), msgs in chans.items() if rank in (src, dst) for i, m in enumerate(msgs)}
-    out: List[tuple] = [("post", src, k) for src, msgs in incoming.items() for k in range(min(ahead, len(msgs)))]
+    out: List[tuple] = [("post", src, k) for src, msgs in incoming.items()
+                        for k in range(min(streams, len(msgs)) if post_ahead else 0)]
     for step in rank_plan(schedule, rank, chans):
         for msg in step.recvs:
             src = pl.rank_of(msg.src_stage)
             k = index[msg]
-            if ahead == 0:  # posted only when needed
+            if not post_ahead:  # posted only when needed
                 out.append(("post", src, k))
             out.append(("wait", src, k))
-            if ahead and k + ahead < len(incoming[src]):
-                out.append(("post", src, k + ahead))
+            if post_ahead and k + streams < len(incoming[src]):
+                out.append(("post", src, k + streams))
         out.append(("op", step.op))
         for msg in step.sends:
-            dst = pl.rank_of(msg.dst_stage)
-            out.append(("send", dst, index[msg]))
-    out += [("sent", dst, len(msgs) - 1) for (src, dst), msgs in chans.items() if src == rank]
+            out.append(("send", pl.rank_of(msg.dst_stage), index[msg]))
+    out += [("sent", dst, len(msgs) - 1 - j) for (src, dst), msgs in chans.items() if src == rank
+            for j in range(min(streams, len(msgs)))]
     return out
 
 
-def device_stall(schedule: Schedule, ahead: int = RECEIVES_AHEAD) -> List[str]:
-    """Where ranks stall under NCCL's semantics (empty: deadlock-free), `ahead` receives posted
-    per channel (0: each posted just before its wait).
+def device_stall(schedule: Schedule, streams: int = 1, post_ahead: bool = True) -> List[str]:
+    """Where ranks stall under NCCL's semantics (empty: deadlock-free) when each channel's
+    messages rotate over `streams` communicators (message k on k mod streams), each keeping one
+    receive posted ahead (`post_ahead=False`: a receive is posted just before its wait).
 
     Model: each rank launches its device work strictly in issue order (one hardware queue, the
     worst case: more queues only remove constraints); a receive or send launches once the one
-    before it on its channel has completed (one stream per channel); a send and its receive
-    complete together, once both have launched; compute waits on its received inputs; every
-    other kernel completes (TP/DP collectives: all their ranks issue the same sequence)."""
+    before it on its communicator (its stream) has completed; a send and its receive complete
+    together, once both have launched; compute waits on its received inputs; every other kernel
+    completes (TP/DP collectives: all their ranks issue the same sequence)."""
     chans = channels(schedule)
-    issued = [_issue_order(schedule, r, chans, ahead) for r in range(schedule.pp)]
+    issued = [_issue_order(schedule, r, chans, streams, post_ahead) for r in range(schedule.pp)]
     pos = [0] * schedule.pp
     launched: set = set()
 
@@ -194,13 +197,13 @@ def device_stall(schedule: Schedule, ahead: int = RECEIVES_AHEAD) -> List[str]:
             while pos[r] < len(entries):
                 what, peer, k = entries[pos[r]] + (None,) * (3 - len(entries[pos[r]]))
                 if what == "post":
-                    if not complete(peer, r, k - 1):
+                    if not complete(peer, r, k - streams):
                         break
                     launched.add(("recv", peer, r, k))
                 elif what == "wait" and not complete(peer, r, k):
                     break
                 elif what == "send":
-                    if not complete(r, peer, k - 1):
+                    if not complete(r, peer, k - streams):
                         break
                     launched.add(("send", r, peer, k))
                 elif what == "sent" and not complete(r, peer, k):
@@ -209,3 +212,12 @@ def device_stall(schedule: Schedule, ahead: int = RECEIVES_AHEAD) -> List[str]:
                 moved = True
     return [f"rank {r} at {' '.join(map(str, entries[pos[r]]))}" for r, entries in enumerate(issued)
             if pos[r] < len(entries)]
+
+
+def channel_streams(schedule: Schedule) -> Optional[int]:
+    """Communicators per channel direction the runtime uses for `schedule`: the fewest (up to
+    MAX_CHANNEL_STREAMS) under which `device_stall` finds no stall; None if none suffices."""
+    for streams in range(1, MAX_CHANNEL_STREAMS + 1):
+        if not device_stall(schedule, streams):
+            return streams
+    return None

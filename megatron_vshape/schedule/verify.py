@@ -5,7 +5,7 @@ from collections import Counter
 from typing import List
 
 from .errors import ConfigError
-from .comm import device_stall, local_predecessor
+from .comm import MAX_CHANNEL_STREAMS, channel_streams, device_stall, local_predecessor
 from .ops import B, BW, F, OP_KINDS, W, Op, Schedule
 from .simulate import Deadlock, peak_vs_1f1b, run_lists
 
@@ -64,10 +64,10 @@ def problems(schedule: Schedule, forward_only: bool = False) -> List[str]:
     except Deadlock as exc:
         out.append(f"deadlock under the matching rule: {exc}")
     else:
-        stalled = device_stall(schedule)
-        if stalled:
-            out.append(f"deadlock under NCCL's ordering (sends complete only when received, one device queue): "
-                       f"{'; '.join(stalled[:8])}")
+        if channel_streams(schedule) is None:
+            stalled = device_stall(schedule, MAX_CHANNEL_STREAMS)
+            out.append(f"deadlock under NCCL's ordering (sends complete only when received, one device queue) "
+                       f"with up to {MAX_CHANNEL_STREAMS} communicators per channel: {'; '.join(stalled[:8])}")
     if schedule.memory_budget is not None and not forward_only:
         for rank, peak in enumerate(peak_vs_1f1b(schedule)):
             if peak > schedule.memory_budget + BUDGET_EPS:

@@ -160,3 +160,52 @@ def test_no_host_wait_while_receives_are_posted_every_schedule():
             assert r["timed"] == r["ops"] and r["durations_ok"], (rank, name, r)
             # Receive buffers (or sends in flight) are alive beside the activations at some op.
             assert r["peak_total"] > 0 and r["buffers_at_peak"] > 0, (rank, name, r)
+
+
+# ---- a schedule whose channels need two communicators each under NCCL's ordering ------------------
+
+TWO_STREAMS = dict(pp=4, m=6, costs=(1.0, 2.0, 1.0, 1.0), memory_budget=1.5)
+
+
+def _two_streams_schedule():
+    from megatron_vshape.schedule.ops import Costs
+
+    t = TWO_STREAMS
+    return registry.build("v-auto", t["pp"], t["m"], Costs(*t["costs"]), memory_budget=t["memory_budget"])
+
+
+def _streams_job(rank, world_size):
+    from megatron_vshape.runtime.executor import get_forward_backward_func
+    from megatron_vshape.testing.tiny_gpt import (build_chunks, data_iterators, forward_step, init_parallel,
+                                                  microbatch_loss, named_grads, portable)
+
+    sched = _two_streams_schedule()
+    tiny = TinyGPT(num_layers=2 * world_size, seq_length=8)
+    init_parallel(1, world_size, sched.placement, seed=tiny.seed)
+    out = {}
+    for label, schedule in (("two streams", sched), ("v-half", "v-half")):
+        chunks = build_chunks(tiny, sched.placement)
+        fb = get_forward_backward_func(schedule, p2p_timeout=60)
+        res = fb(forward_step_func=forward_step, data_iterator=data_iterators(tiny, 0, sched.microbatches, 2),
+                 model=chunks, num_microbatches=sched.microbatches, seq_length=tiny.seq_length,
+                 micro_batch_size=tiny.micro_batch_size)
+        out[label] = portable({"losses": [microbatch_loss(d) for d in res], "grads": named_grads(chunks)})
+    from megatron_vshape.runtime.p2p import _GROUPS
+
+    out["streams"] = sorted({stream for groups in _GROUPS.values() for *_, stream in groups})
+    return out
+
+
+def test_channels_on_two_communicators_deliver_every_message_in_order():
+    from megatron_vshape.schedule.comm import channel_streams, device_stall
+
+    sched = _two_streams_schedule()
+    assert device_stall(sched, 1) and channel_streams(sched) == 2  # one communicator would stall on NCCL
+    for job in launch(_streams_job, TWO_STREAMS["pp"], (), timeout=240):
+        assert job["streams"] == [0, 1]  # the executor opened a second communicator per channel
+        two, one = job["two streams"], job["v-half"]
+        assert two["losses"] == one["losses"]
+        for name, g in one["grads"].items():
+            got = torch.as_tensor(two["grads"][name]["grad"])
+            want = torch.as_tensor(g["grad"])
+            assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max())), name
