@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     import torch
 
     gpu = torch.cuda.is_available()
-    rows: List[Row] = [environment(gpu)]
     started = time.monotonic()
+    rows: List[Row] = [environment(gpu), guarded("every schedule deadlock-free under NCCL's ordering", nccl_ordering)]
     with world_of_one(gpu):
         rows += split_rows(gpu)
         rows += [guarded("time: B + W vs fused backward (bf16, hidden %d)" % args.timing_hidden,
@@ -135,6 +135,23 @@ class world_of_one:
         destroy_megatron()
         dist.destroy_process_group()
         return False
+
+
+def nccl_ordering() -> Tuple[str, str]:
+    """The verifier's one-device-queue model (schedule.comm.device_stall) for every schedule at
+    pp 2 and 4 (pure Python: the same answer on any machine)."""
+    from megatron_vshape.schedule import registry
+    from megatron_vshape.schedule.comm import channel_streams
+
+    counts = {}
+    for pp in (2, 4):
+        for name in registry.names():
+            options = {"group": 2 * pp} if name == "1f1b-interleaved" else {}
+            counts[(name, pp)] = channel_streams(registry.build(name, pp, 2 * pp, **options))
+    if any(n is None for n in counts.values()):
+        return FAIL, f"stalls: {[k for k, n in counts.items() if n is None]}"
+    return OK, (f"{len(counts)} plans (pp 2 and 4, 2pp microbatches), communicators per channel: "
+                f"{sorted(set(counts.values()))}")
 
 
 # ---- one device: the split against the fused backward ---------------------------------------------

@@ -25,7 +25,8 @@ def test_gpu_check_on_cpu_proves_its_plumbing_and_skips_the_gpu_parts():
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if "  ok  " in line or "  skipped  " in line
             or "  FAIL  " in line}
     assert not any("  FAIL  " in line for line in rows.values()), out
-    for ok in ("environment", "B + W = fused backward (CPU fp32, plumbing)", "op timing by CUDA events (Recorder)",
+    for ok in ("environment", "every schedule deadlock-free under NCCL's ordering",
+               "B + W = fused backward (CPU fp32, plumbing)", "op timing by CUDA events (Recorder)",
                "verify v-half pp=2 over gloo", "driver v-half pp=2, 4 iterations"):
         assert "  ok  " in rows[ok], (ok, out)
     assert "bitwise equal" in rows["B + W = fused backward (CPU fp32, plumbing)"]
