@@ -134,6 +134,13 @@ class world_of_one:
 
         destroy_megatron()
         dist.destroy_process_group()
+        if self.gpu:  # leave the GPU to the multi-process runs that follow
+            import gc
+
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
         return False
 
 
