@@ -237,7 +237,8 @@ def _check_gpu_options(args, name: str, schedule: Schedule) -> None:
                           "pipeline; use --timing-log-level 1 (per-op times come from the schedule's recorder)")
     checks = [f for f in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss", "check_for_large_grads")
               if _get(args, f, False)]
-    if checks and _get(args, "distributed_backend", "nccl") == "nccl":
+    # Only Megatron-LM's arguments carry distributed_backend: the driver checks its loss after the step.
+    if checks and getattr(args, "distributed_backend", None) == "nccl":
         # --check-for-nan-in-loss-and-grad is on by default in Megatron-LM: its off switch is --no-...
         fixes = ["pass --no-check-for-nan-in-loss-and-grad" if f == "check_for_nan_in_loss_and_grad"
                  else f"unset {_flag(f)}" for f in checks]

@@ -109,7 +109,7 @@ def _pipeline_args(schedule, **megatron):
     ("1f1b", dict(sequence_parallel=True), None, ["CUDA_DEVICE_MAX_CONNECTIONS=unset", "--sequence-parallel",
                                                   "export CUDA_DEVICE_MAX_CONNECTIONS=1"]),
     ("v-zb", dict(sequence_parallel=True), "8", ["CUDA_DEVICE_MAX_CONNECTIONS=8"]),
-    ("v-half", dict(check_for_nan_in_loss_and_grad=True), "1",
+    ("v-half", dict(check_for_nan_in_loss_and_grad=True, distributed_backend="nccl"), "1",
      ["--check-for-nan-in-loss-and-grad", "hangs", "pass --no-check-for-nan-in-loss-and-grad"]),
     ("1f1b", dict(check_for_spiky_loss=True, distributed_backend="nccl"), "1",
      ["--check-for-spiky-loss", "unset --check-for-spiky-loss"]),
@@ -136,6 +136,8 @@ def test_gpu_flag_combinations_that_are_fine(monkeypatch):
     # gloo (Megatron-LM's --distributed-backend gloo on CPU) has no posted receive kernels to wait for
     assert validate_pipeline_args(_pipeline_args("v-half", check_for_nan_in_loss_and_grad=True,
                                                  distributed_backend="gloo"))
+    # the driver (no distributed_backend): its own check reads the loss after the step
+    assert validate_pipeline_args(_pipeline_args("v-half", check_for_nan_in_loss_and_grad=True))
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     assert validate_pipeline_args(_pipeline_args("v-half", tensor_model_parallel_size=1, world_size=2,
                                                  sequence_parallel=True))
