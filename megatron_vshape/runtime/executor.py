@@ -191,12 +191,12 @@ class _Step:
         if self.split:
             for chunk in self.model:
                 wgrad.install(chunk)
-        self.te = [wgrad.te_modules(chunk) for chunk in self.model] if not forward_only else [[] for _ in self.model]
-        if any(self.te) and self.split:
-            problem = wgrad.check_fifo_w_order(self.sched.ranks[self.rank])
-            if problem:
-                raise ConfigError(f"schedule {self.sched.name!r}: Transformer Engine defers weight gradients per layer "
-                                  f"in B order, but {problem}; use a schedule whose W follow B order per stage")
+        self.te = [[] for _ in self.model]  # Transformer Engine layers that defer: backward_dw() at W and BW
+        if not forward_only:
+            try:
+                self.te = wgrad.check_te_split(self.model, self.sched.ranks[self.rank])
+            except ConfigError as e:
+                raise ConfigError(f"schedule {self.sched.name!r}: {e}") from None
         self.stats = ex.stats
         self.contributors = self._contributors()
         # The channels open in run(): posting the first receives starts the step's GPU rules.

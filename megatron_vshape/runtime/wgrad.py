@@ -54,18 +54,21 @@ _state = _State()
 class WgradEntry:
     """One deferred weight-gradient GEMM."""
 
-    __slots__ = ("weight", "grad_output", "input", "sequence_parallel", "tp_group", "fusion", "held")
+    __slots__ = ("weight", "grad_output", "input", "sequence_parallel", "tp_group", "fusion", "held", "dtype")
 
     def __init__(self, weight, grad_output, input, sequence_parallel, tp_group, fusion):
-        self.weight, self.grad_output, self.input = weight, grad_output, input
+        self.weight, self.grad_output, self.input, self.dtype = weight, grad_output, input, input.dtype
         self.sequence_parallel, self.tp_group, self.fusion = sequence_parallel, tp_group, fusion
         self.held = [_state.tracker(t) for t in (grad_output, input)] if _state.tracker else None
 
     def compute(self) -> Optional[torch.Tensor]:
-        """Run the GEMM. Returns the gradient for autograd to accumulate (dummy on main_grad)."""
+        """Run the GEMM and drop the stored tensors.  Returns the weight gradient, or None on the
+        fused path, where it went into `main_grad` (`run` then drives the hooks with a dummy)."""
         total_input = _gather_sequence(self.input, self.tp_group) if self.sequence_parallel else self.input
-        g = self.grad_output.reshape(-1, self.grad_output.shape[-1])
-        x = total_input.reshape(-1, total_input.shape[-1])
+        # Contiguous 2-D views, as megatron-core hands them to apex's kernel.
+        g = self.grad_output.contiguous().view(-1, self.grad_output.shape[-1])
+        x = total_input.contiguous().view(-1, total_input.shape[-1])
+        self.grad_output = self.input = self.held = total_input = None
         w = self.weight
         if self.fusion and hasattr(w, "main_grad"):
             fused = _apex_wgrad_kernel() if g.is_cuda else None
@@ -74,12 +77,28 @@ class WgradEntry:
                 fn(x, g, w.main_grad)
             else:
                 w.main_grad.addmm_(g.t().to(w.main_grad.dtype), x.to(w.main_grad.dtype))
-            if not hasattr(w, "grad_added_to_main_grad"):
-                return None  # no DDP hooks to drive
-            w.grad_added_to_main_grad = True
-            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
-            return make(w.main_grad.shape, dtype=self.input.dtype, device=w.main_grad.device)
+            return None
         return g.t().matmul(x)
+
+
+_dummies: dict = {}  # (shape, dtype, device) -> the one dummy gradient of that kind (fused path)
+
+
+def _dummy_grad(weight, dtype) -> Optional[torch.Tensor]:
+    """What megatron-core's linear returns for a weight whose gradient went into main_grad: None without
+    DDP's marker, else a dummy that drives DDP's hook, which skips it (`grad_added_to_main_grad`) unless
+    `zero_out_wgrad` asks for zeros (a weight whose other use adds a real `.grad`, as the V's tied
+    embedding).  One reused buffer per shape and dtype, as megatron-core does through TE's get_dummy_wgrad."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    key = (tuple(weight.main_grad.shape), dtype, weight.main_grad.device)
+    if key not in _dummies:
+        _dummies[key] = torch.empty(key[0], dtype=dtype, device=key[2])
+    dummy = _dummies[key]
+    if getattr(weight, "zero_out_wgrad", False):
+        dummy.zero_()
+    return dummy.detach()
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,17 +247,27 @@ def collect(entries: List[WgradEntry]) -> Iterator[List[WgradEntry]]:
 
 
 def run(entries: List[WgradEntry]) -> None:
-    """A W op: compute the deferred GEMMs and accumulate them (firing the weights' grad hooks)."""
-    weights, grads = [], []
+    """A W op: compute the deferred GEMMs and accumulate them (firing the weights' grad hooks).
+
+    One weight at a time: its entries' GEMMs summed, handed to autograd (its hook fires once), and
+    freed before the next weight's, so a W holds one weight's gradient at a time, not the stage's."""
+    by_weight: dict = {}
     for entry in entries:
-        with torch.no_grad():  # as inside autograd's backward; gloo's all-gather writes into views
-            grad = entry.compute()
+        by_weight.setdefault(id(entry.weight), []).append(entry)
+    entries.clear()  # each entry's stored tensors go as its GEMM runs
+    for group in by_weight.values():
+        weight, dtype, grad = group[0].weight, group[0].dtype, None
+        for entry in group:
+            with torch.no_grad():  # as inside autograd's backward; gloo's all-gather writes into views
+                g = entry.compute()
+            if g is not None:
+                grad = g if grad is None else grad.add_(g)
+        group.clear()
+        if grad is None:  # fused path: the gradients are in main_grad
+            grad = _dummy_grad(weight, dtype)
         if grad is not None:
-            weights.append(entry.weight)
-            grads.append(grad)
-        entry.grad_output = entry.input = entry.held = None
-    if weights:
-        torch.autograd.backward(weights, grads)
+            torch.autograd.backward([weight], [grad])
+        grad = g = None
 
 
 def set_tracker(tracker: Optional[Callable[[torch.Tensor], object]]) -> None:
@@ -246,33 +275,83 @@ def set_tracker(tracker: Optional[Callable[[torch.Tensor], object]]) -> None:
     _state.tracker = tracker
 
 
+def defer_te_wgrad(config, ddp_config=None) -> None:
+    """Make Transformer Engine layers built from `config` defer their weight gradients, and megatron-core's
+    DDP built from `ddp_config` take their gradients from TE's hooks at W instead of autograd's in B.
+
+    Sets `delay_wgrad_compute` on the already constructed configs: megatron-core 0.16's
+    TransformerConfig.__post_init__ refuses the flag without MoE expert-parallel overlap (the only user
+    of it in megatron-core's own schedules), but its TE wrappers and its DDP read it as plain
+    attributes.  Call it before the chunks are built (TE reads it when a layer is made) and before DDP
+    wraps them.  Local layers ignore it."""
+    config.delay_wgrad_compute = True
+    if ddp_config is not None:
+        ddp_config.delay_wgrad_compute = True
+
+
 def te_modules(chunk: torch.nn.Module) -> list:
-    """Transformer Engine layers of the chunk (megatron-core's TE wrappers included) built with
-    delay_wgrad_compute, which defer their weight gradients themselves.  [] without TE."""
-    try:  # imported here, never at module import: TE is GPU-only and optional
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-    except ImportError:
-        return []
-    return [m for m in chunk.modules()
-            if isinstance(m, TransformerEngineBaseModule) and callable(getattr(m, "need_backward_dw", None))
-            and m.need_backward_dw()]
+    """The chunk's Transformer Engine layers (megatron-core's TE wrappers included) that defer their
+    weight gradients: a `wgrad_store` (TE's per-layer FIFO of deferred GEMMs) with delay on, and a
+    `backward_dw()` that runs the oldest.  Duck-typed on TE's documented contract (TE >= 2.3), so
+    nothing imports TE; megatron-core's attention/MLP wrappers have backward_dw but no store and
+    are skipped (they would pop their layers' FIFOs a second time)."""
+    out = []
+    for module in chunk.modules():
+        store = getattr(module, "wgrad_store", None)
+        if store is not None and callable(getattr(module, "backward_dw", None)) and store.delay_wgrad_compute():
+            out.append(module)
+    return out
+
+
+def check_te_split(chunks, ops) -> List[list]:
+    """Per chunk, its deferring TE layers (see te_modules); ConfigError when the step cannot honour them.
+
+    TE keeps one FIFO per layer, so W (and BW, a B with its W at once) must pop in the order B pushed,
+    per stage.  And TE's `backward_dw()` only assigns `.grad` (TE >= 2.8: overwrites it) and then calls
+    the hooks registered through `register_wgrad_accumulation_and_reduce_hooks` (TE >= 2.7): without
+    such a hook (megatron-core's DDP with ddp_config.delay_wgrad_compute) nothing accumulates the
+    microbatches' gradients or starts their reduction."""
+    from ..schedule.errors import ConfigError
+
+    modules = [te_modules(chunk) for chunk in chunks]
+    if not any(modules):
+        return modules
+    problem = check_fifo_w_order(ops)
+    if problem:
+        raise ConfigError(f"Transformer Engine defers weight gradients per layer in B order, but {problem}; "
+                          "use a schedule whose W follow B order per stage")
+    for module in (m for ms in modules for m in ms):
+        if not getattr(module, "wgrad_accumulation_and_reduce_hooks", None):
+            raise ConfigError(f"Transformer Engine layer {type(module).__name__} defers its weight gradient "
+                              "(delay_wgrad_compute) but no gradient hook is registered with it; wrap the chunks "
+                              "in megatron-core's DistributedDataParallel with ddp_config.delay_wgrad_compute=True "
+                              "(runtime.wgrad.defer_te_wgrad(config, ddp_config)) on Transformer Engine >= "
+                              f"{'.'.join(map(str, TE_MIN))}")
+    return modules
+
+
+# Transformer Engine release from which the split works (why: see README, "Transformer Engine").
+TE_MIN = (2, 8)
 
 
 def te_backward_dw(modules: list) -> None:
-    """W for Transformer Engine layers built with delay_wgrad_compute (TE >= 2.3)."""
+    """W for Transformer Engine layers that defer: each pops its oldest deferred GEMM (this
+    microbatch's, by the FIFO order check) and fires its hooks."""
     for module in modules:
         module.backward_dw()
 
 
 def check_fifo_w_order(ops) -> Optional[str]:
-    """None if, on every stage, W ops come in the order of their B ops (TE's per-layer FIFO needs it)."""
-    b_order, w_order = {}, {}
+    """None if, on every stage, weight gradients are taken in the order they were deferred: a B
+    defers one, a W takes the oldest, a BW defers and takes at once (so nothing may be pending)."""
+    pending: dict = {}
     for op in ops:
-        if op.kind == "B":
-            b_order.setdefault(op.stage, []).append(op.microbatch)
-        elif op.kind == "W":
-            w_order.setdefault(op.stage, []).append(op.microbatch)
-    for stage, ws in w_order.items():
-        if ws != b_order.get(stage):
-            return f"stage {stage}: B order {b_order.get(stage)} but W order {ws}"
+        queue = pending.setdefault(op.stage, [])
+        if op.kind in ("B", "BW"):
+            queue.append(op.microbatch)
+        if op.kind in ("W", "BW"):
+            oldest = queue.pop(0) if queue else None
+            if oldest != op.microbatch:
+                return (f"stage {op.stage}: {op} would take the weight gradient of microbatch {oldest} "
+                        f"(TE's FIFO holds {[oldest] + queue if oldest is not None else queue})")
     return None
