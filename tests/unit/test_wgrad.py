@@ -125,3 +125,17 @@ def test_unknown_linear_option_is_refused_under_split_and_passed_through_without
     with wgrad.split_forward():  # an option left at None changes nothing: accepted
         split = fc1._forward_impl(**call, newer_option=None)
     assert torch.equal(split, type(fc1)._forward_impl(fc1, **call))  # same forward as megatron-core's own
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "main_grad"])
+def test_w_op_holds_one_weight_gradient_at_a_time(megatron_world, fused):
+    """#34: a W used to build every gradient of the stage (or a fresh dummy per weight on the fused path)
+    before one autograd call.  Now one weight's at a time, the dummy reused: 4 weights of 64 KiB each."""
+    from megatron_vshape.testing.memory import w_op_peak
+
+    peak, weight = w_op_peak(4, 128, fused)
+    print(f"W op peak, 4 linears of {weight} bytes, {'main_grad' if fused else 'plain'} path: {peak} bytes")
+    # Plain: one GEMM result (+ a small transposed copy of grad_output); main_grad: CPU's addmm_ makes
+    # the product before adding it (apex's kernel on GPUs accumulates in place), the dummy exists since
+    # the first W.  The W before #34 held four weights' worth and more (plain 262144 bytes, main_grad 327680).
+    assert peak <= weight + weight // 8
