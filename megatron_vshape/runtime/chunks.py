@@ -168,6 +168,7 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     position_embedding_type: str = "learned_absolute",
     pp_rank: Optional[int] = None,
+    split_backward: bool = False,
     **gpt_kwargs,
 ) -> List[GPTModel]:
     """Build this pipeline rank's GPTModel chunks, indexed by chunk.
@@ -176,10 +177,17 @@ def build_model_chunks(
     post_process (final norm, output layer, loss) on the last stage.  `transformer_layer_spec` is
     a layer/block spec, or a callable `(config, vp_stage) -> spec` (default: the CPU test spec).
     megatron parallel_state must be initialised for this placement (see `embedding_ranks_for`).
+    `split_backward`: the chunks will run a schedule with W ops, so Transformer Engine layers defer
+    their weight gradients to it (see `runtime.wgrad.defer_te_wgrad`; wrap the chunks in megatron-core's
+    DDP with `ddp_config.delay_wgrad_compute=True`).  Local layers are split regardless.
     """
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     config = chunk_config(config, placement)
+    if split_backward:
+        from .wgrad import defer_te_wgrad
+
+        defer_te_wgrad(config)
     _check_parallel_state(placement, share_embeddings_and_output_weights)
     if transformer_layer_spec is None:
         from .cpu_spec import cpu_gpt_block_spec
@@ -268,6 +276,11 @@ def _without_embedding_group(pg_collection):
 def _tie_output_to_embedding(head: GPTModel, first: GPTModel) -> None:
     """Make `head`'s output layer use `first`'s word embedding without owning it."""
     weight = first.embedding.word_embeddings.weight
+    # Both uses on one rank: once the output layer's W has put its gradient into main_grad (gradient-
+    # accumulation fusion) and set grad_added_to_main_grad, megatron-core's DDP hook would drop the
+    # embedding's .grad for the rest of the step; with zero_out_wgrad it adds it (the W's dummy is zeros),
+    # as megatron-core arranges for pp=1, where both uses are on one rank too.
+    weight.zero_out_wgrad = True
     del head.output_layer.weight
     head.output_layer.weight = None
     head.shared_embedding_or_output_weight = lambda: weight

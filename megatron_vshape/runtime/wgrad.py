@@ -289,22 +289,25 @@ def defer_te_wgrad(config, ddp_config=None) -> None:
         ddp_config.delay_wgrad_compute = True
 
 
-def te_modules(chunk: torch.nn.Module) -> list:
+def te_modules(chunk: torch.nn.Module, deferring: bool = True) -> list:
     """The chunk's Transformer Engine layers (megatron-core's TE wrappers included) that defer their
-    weight gradients: a `wgrad_store` (TE's per-layer FIFO of deferred GEMMs) with delay on, and a
-    `backward_dw()` that runs the oldest.  Duck-typed on TE's documented contract (TE >= 2.3), so
-    nothing imports TE; megatron-core's attention/MLP wrappers have backward_dw but no store and
-    are skipped (they would pop their layers' FIFOs a second time)."""
+    weight gradients (`deferring=False`: those that do not).  Found by TE's documented contract (TE >=
+    2.3): a `wgrad_store` (the layer's FIFO of deferred GEMMs) saying `delay_wgrad_compute()`, and a
+    `backward_dw()` that runs the oldest; so nothing imports TE.  megatron-core's attention/MLP wrappers
+    have backward_dw but no store and are skipped (they would pop their layers' FIFOs a second time)."""
     out = []
     for module in chunk.modules():
         store = getattr(module, "wgrad_store", None)
-        if store is not None and callable(getattr(module, "backward_dw", None)) and store.delay_wgrad_compute():
+        if store is not None and callable(getattr(module, "backward_dw", None)) and \
+                bool(store.delay_wgrad_compute()) == deferring:
             out.append(module)
     return out
 
 
-def check_te_split(chunks, ops) -> List[list]:
+def check_te_split(chunks, ops, split: bool) -> List[list]:
     """Per chunk, its deferring TE layers (see te_modules); ConfigError when the step cannot honour them.
+
+    A schedule with W ops (`split`) needs every TE layer to defer, or its W does nothing for them.
 
     TE keeps one FIFO per layer, so W (and BW, a B with its W at once) must pop in the order B pushed,
     per stage.  And TE's `backward_dw()` only assigns `.grad` (TE >= 2.8: overwrites it) and then calls
@@ -313,6 +316,13 @@ def check_te_split(chunks, ops) -> List[list]:
     microbatches' gradients or starts their reduction."""
     from ..schedule.errors import ConfigError
 
+    if split:
+        eager = [type(m).__name__ for chunk in chunks for m in te_modules(chunk, deferring=False)]
+        if eager:
+            raise ConfigError(f"Transformer Engine layers ({', '.join(sorted(set(eager)))}) compute their weight "
+                              "gradients in B, so W would be empty for them: build the chunks with "
+                              "build_model_chunks(..., split_backward=True) (or call "
+                              "runtime.wgrad.defer_te_wgrad(config) before building them)")
     modules = [te_modules(chunk) for chunk in chunks]
     if not any(modules):
         return modules
