@@ -347,8 +347,34 @@ TE_MIN = (2, 8)
 def te_backward_dw(modules: list) -> None:
     """W for Transformer Engine layers that defer: each pops its oldest deferred GEMM (this
     microbatch's, by the FIFO order check) and fires its hooks."""
-    for module in modules:
-        module.backward_dw()
+    with torch.no_grad():  # as inside autograd's backward, where TE's own GEMMs would have run
+        for module in modules:
+            _grads_for_hooks(module)
+            module.backward_dw()
+
+
+def _grads_for_hooks(module) -> None:
+    """Give TE's hooks the `.grad` megatron-core's DDP hook expects where TE would leave none.
+
+    TE passes the gradients of B to its hooks at W (the layer's weights and biases skip autograd's
+    hook).  Two of them are made in B, by autograd, not by the W's GEMM: the dummy weight gradient of
+    the fused path (`fuse_wgrad_accumulation`: the real one goes into main_grad at W), and the gradient
+    of a bias TE adds outside its GEMM (`return_bias`, which megatron-core's wrappers ask for with
+    skip_bias_add, or `gemm_bias_unfused_add`).  When two B ran before a W (B k+1 before W k, as
+    zero-bubble schedules do), the first W's hook took both and cleared `.grad`; the second W would hand
+    DDP's hook None (refused with overlapped reduction), and TE's backward_dw would fail setting the bias
+    from a GEMM that made none.  Give them what one B alone would have left: the fused path's dummy, and
+    a zero bias gradient (B's real ones were already added)."""
+    for weight in module.parameters(recurse=False):
+        if weight.dim() >= 2 and weight.grad is None and getattr(module, "fuse_wgrad_accumulation", False) \
+                and getattr(weight, "skip_backward_post_hook", False) and hasattr(weight, "main_grad"):
+            weight.grad = _dummy_grad(weight, weight.dtype)
+    if not (getattr(module, "return_bias", False) or getattr(module, "gemm_bias_unfused_add", False)):
+        return
+    for name in getattr(module, "bias_names", ()):
+        bias = getattr(module, name, None)
+        if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.grad is None:
+            bias.grad = torch.zeros_like(bias)
 
 
 def check_fifo_w_order(ops) -> Optional[str]:

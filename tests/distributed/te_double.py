@@ -10,7 +10,9 @@ tensor-parallel rank, what TE >= 2.8 documents and does for `Linear(delay_wgrad_
   `grad_added_to_main_grad` marker) it returns a dummy weight gradient and sets the marker, as TE does.
 * `backward_dw()` (W): pops the OLDEST entry, computes the weight (and bias) gradient, accumulates it
   into `main_grad` (fused) or assigns `.grad` (TE >= 2.8 overwrites it), sets the bias `.grad` only when
-  it is None, then calls every hook given to `register_wgrad_accumulation_and_reduce_hooks` (TE >= 2.7).
+  it is None (from the GEMM's bias gradient: none for a bias returned to the caller, `return_bias`, whose
+  gradient autograd makes in B), then calls every hook given to
+  `register_wgrad_accumulation_and_reduce_hooks` (TE >= 2.7).
 * With delay on, the weight and bias carry `skip_backward_post_hook`, which tells megatron-core's DDP
   (ddp_config.delay_wgrad_compute) to register its gradient hook with the layer, not with autograd.
 
@@ -118,6 +120,8 @@ class TELinearDouble(torch.nn.Module):
         init_method(self.weight)
         self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         self.skip_bias_add = skip_bias_add
+        self.return_bias = skip_bias_add and bias  # TE's name: the bias is added by the caller, outside
+        self.bias_names = ["bias"] if bias else []
         self.fuse_wgrad_accumulation = config.gradient_accumulation_fusion
         self.wgrad_store = WeightGradStore(bool(getattr(config, "delay_wgrad_compute", False)))
         self.wgrad_accumulation_and_reduce_hooks = []
@@ -139,7 +143,7 @@ class TELinearDouble(torch.nn.Module):
         if not self.fuse_wgrad_accumulation:
             self.weight.grad = dw
         if self.bias is not None and self.bias.grad is None:
-            self.bias.grad = db
+            self.bias.grad = db.to(self.bias.dtype)  # as TE: fails when the GEMM made no bias gradient
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
 

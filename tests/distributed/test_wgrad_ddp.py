@@ -151,10 +151,29 @@ def test_te_layers_defer_to_w_in_b_order_and_hooks_fire_once_after_w(name, fused
             assert sorted(ops) == want, (rank, param, ops, want)  # once per microbatch, in its W
 
 
-def test_te_layers_with_w_out_of_b_order_are_refused():
-    from megatron_vshape.runtime.wgrad import check_fifo_w_order
+def _double(delay, hooked=True):
+    from types import SimpleNamespace
 
-    sched = registry.build("local/v/split/reversed", 2, 2)
-    assert check_fifo_w_order(sched.ranks[0]) is not None
-    assert all(check_fifo_w_order(registry.build(n, 2, 4).ranks[r]) is None
-               for n in ("v-half", "v-min", "v-zb", "zb-h1", "zb-h2", "1f1b") for r in range(2))
+    from te_double import TELinearDouble
+
+    cfg = SimpleNamespace(params_dtype=torch.float32, gradient_accumulation_fusion=False, delay_wgrad_compute=delay)
+    layer = TELinearDouble(4, 4, config=cfg, init_method=torch.nn.init.normal_)
+    if hooked:
+        layer.register_wgrad_accumulation_and_reduce_hooks(lambda: None)
+    return torch.nn.Sequential(layer)
+
+
+def test_te_layers_the_step_cannot_honour_are_refused_before_it_starts():
+    from megatron_vshape.runtime.wgrad import check_te_split
+    from megatron_vshape.schedule.errors import ConfigError
+    from test_executor_linear import build
+
+    ops = registry.build("v-half", 2, 4).ranks[0]
+    assert len(check_te_split([_double(True)], ops, split=True)[0]) == 1
+    with pytest.raises(ConfigError, match=r"W3@. would take the weight gradient of microbatch 0"):
+        check_te_split([_double(True)], build("local/v/split/reversed", 2, 4).ranks[0], split=True)
+    with pytest.raises(ConfigError, match=r"compute their weight gradients in B.*split_backward=True"):
+        check_te_split([_double(False)], ops, split=True)
+    assert check_te_split([_double(False)], ops, split=False) == [[]]  # BW ops: TE's own backward
+    with pytest.raises(ConfigError, match=r"no gradient hook.*ddp_config.delay_wgrad_compute=True"):
+        check_te_split([_double(True, hooked=False)], ops, split=True)
