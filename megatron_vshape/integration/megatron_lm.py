@@ -80,10 +80,18 @@ def _validate_args(orig):
         if plan.schedule.placement.kind == "v" and getattr(args, "yaml_cfg", None) is not None:
             raise ConfigError(f"--yaml-cfg is not supported with --pipeline-schedule {plan.name}: the V builds its "
                               "chunks from Megatron-LM's flags; pass the model with flags instead")
+        _check_megatron_lm_flags(args, plan)
         vp = plan.virtual_pipeline_model_parallel_size
         if vp is not None and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is None:
             # Megatron-LM derives its virtual pipeline size from this flag in validate_args.
             args.num_virtual_stages_per_pipeline_rank = vp
+        if vp is not None and plan.pp == 2 and getattr(args, "overlap_p2p_comm", True) is False:
+            # Megatron-LM refuses two chunks at pp=2 without it: its interleaved schedule would batch two sends
+            # between the same ranks.  Our executor does its own p2p and reads neither flag.
+            args.overlap_p2p_comm = True
+            if getattr(args, "rank", 0) == 0:
+                print("megatron_vshape: --no-overlap-p2p-communication does not apply (megatron_vshape's executor "
+                      "does its own pipeline communication); ignored", flush=True)
         result = orig(args, defaults)
         if args.virtual_pipeline_model_parallel_size != vp:
             raise ConfigError(f"--pipeline-schedule {plan.name} needs a virtual pipeline size of {vp}, but Megatron-LM's "
@@ -93,6 +101,85 @@ def _validate_args(orig):
         _announce(plan, args)
         return result
     return validate_args
+
+
+def _check_megatron_lm_flags(args, plan) -> None:
+    """Megatron-LM flags that its own validation accepts but that a megatron_vshape schedule cannot honour:
+    a ConfigError with the reason and the fix, before any process group exists."""
+    name, split = plan.name, plan.schedule.split_backward
+    fix = f"or drop --pipeline-schedule {name} (Megatron's own schedules)"
+    after = getattr(args, "pipeline_replan_after", None)
+    if after is not None:
+        raise ConfigError(f"--pipeline-replan-after={after} is not implemented under Megatron-LM's training loop "
+                          "(re-planning needs the measured op times of every rank at one iteration); unset it, or "
+                          "train with megatron_vshape's own driver (megatron-vshape pretrain), which implements it")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ConfigError("--overlap-moe-expert-parallel-comm is implemented inside Megatron's own 1F1B and "
+                          f"interleaved schedules, which --pipeline-schedule {name} replaces: it would be silently "
+                          f"lost; unset it {fix}")
+    if "full_iteration" in _cuda_graph_scopes(args):
+        raise ConfigError(f"--cuda-graph-scope full_iteration captures a whole iteration in one CUDA graph, which "
+                          f"would capture megatron_vshape's executor (its receives are posted and matched on the host "
+                          f"at run time); use per-layer scopes (attn, mlp, ...) or no CUDA graphs, {fix}")
+    if plan.schedule.placement.kind == "v" and getattr(args, "ckpt_format", None) == "torch":
+        raise ConfigError(f"--ckpt-format torch saves each rank's model chunks by position, and on the V chunk 1 of "
+                          f"rank r holds stage {2 * plan.pp - 1}-r: a resume under another schedule or placement "
+                          "fails late with mismatched keys; use --ckpt-format torch_dist (keys by global layer "
+                          "number, resumable under any schedule)")
+    if split and getattr(args, "tp_comm_overlap", False):
+        raise ConfigError(f"--tp-comm-overlap (Transformer Engine's userbuffer communication) cannot run with "
+                          f"--pipeline-schedule {name}: its B/W split defers TE's weight gradients, which TE does not "
+                          "support with userbuffers (it raises); unset --tp-comm-overlap, or use a schedule without "
+                          "W (1f1b, 1f1b-interleaved)")
+    if getattr(args, "delay_wgrad_compute", False):
+        raise ConfigError(f"--delay-wgrad-compute is set by megatron_vshape itself where --pipeline-schedule {name} "
+                          "splits the backward (Transformer Engine layers); unset it")
+    _check_rampup(args, plan)
+
+
+def _cuda_graph_scopes(args) -> set:
+    scopes = getattr(args, "cuda_graph_scope", None) or []
+    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
+    return {getattr(s, "name", str(s)) for s in scopes}
+
+
+def _check_rampup(args, plan) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES: the first steps run START samples; the schedule must be
+    buildable for their microbatch count too (the executor builds one per count it meets)."""
+    ramp = getattr(args, "rampup_batch_size", None)
+    if not ramp:
+        return
+    from ..schedule import registry
+    from .args import data_parallel_size
+
+    start, increment = int(ramp[0]), int(ramp[1])
+    per = (getattr(args, "micro_batch_size", None) or 1) * data_parallel_size(args)
+    if plan.name not in registry.names():
+        raise ConfigError(f"--rampup-batch-size changes the number of microbatches, but --pipeline-schedule "
+                          f"{plan.name} is one schedule built for {plan.num_microbatches}; unset the ramp or name a "
+                          "registered schedule")
+    if not getattr(args, "decrease_batch_size_if_needed", False):
+        for what, value in (("start", start), ("increment", increment)):
+            if value % per:
+                raise ConfigError(f"--rampup-batch-size {what} {value} is not a multiple of --micro-batch-size x "
+                                  f"data-parallel size = {per}; use {max(per, value // per * per)}")
+    m = max(1, start // per)
+    try:
+        registry.build(plan.name, plan.pp, m, plan.costs, **plan.options)
+    except ConfigError as e:
+        need = next((k for k in range(m + 1, plan.num_microbatches + 1) if _builds(plan, k)), plan.num_microbatches)
+        raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which --pipeline-schedule "
+                          f"{plan.name} cannot run ({e}); start the ramp at >= {need * per} samples") from None
+
+
+def _builds(plan, m: int) -> bool:
+    from ..schedule import registry
+
+    try:
+        registry.build(plan.name, plan.pp, m, plan.costs, **plan.options)
+    except ConfigError:
+        return False
+    return True
 
 
 def _announce(plan, args) -> None:
@@ -129,32 +216,69 @@ def _embedding_ranks(script_fn: Optional[Callable]):
 
 def _get_model(orig):
     def get_model(model_provider_func, *args, **kwargs):
-        if _is_v():
-            model_provider_func = _v_model_provider(model_provider_func, _placement())
-        return orig(model_provider_func, *args, **kwargs)
+        if _plan is None:
+            return orig(model_provider_func, *args, **kwargs)
+        from megatron.training import get_args
+
+        margs = get_args()
+        te_split = _plan.schedule.split_backward and getattr(margs, "transformer_impl", None) == "transformer_engine"
+        if not (_is_v() or te_split):
+            return orig(model_provider_func, *args, **kwargs)
+        provider = _model_provider(model_provider_func, _placement(), te_split)
+        training = sys.modules[orig.__module__]
+        float16 = getattr(training, "Float16Module", None)
+        try:
+            if _is_v() and float16 is not None:
+                from ..runtime.chunks import VFloat16Module
+
+                # Megatron-LM upcasts the output of the last virtual stage of the last pipeline rank; on the V
+                # that is stage p, a middle one: only stage 2p-1 (rank 0's chunk 1) may return fp32.
+                training.Float16Module = functools.partial(VFloat16Module, placement=_placement())
+            return orig(provider, *args, **kwargs)
+        finally:
+            if float16 is not None:
+                training.Float16Module = float16
+            if te_split:
+                margs.delay_wgrad_compute = False  # on for get_model's DDP config only (see _model_provider)
     return get_model
 
 
-def _v_model_provider(provider: Callable, placement):
-    """Megatron-LM's get_model asks for pre/post_process by pipeline rank and virtual stage; on the V,
-    chunk c of rank r holds stage `placement.stage_of(r, c)`: the embedding on stage 0, the output layer
-    and loss on stage 2p-1, both on rank 0."""
+def _model_provider(provider: Callable, placement, te_split: bool):
+    """Megatron-LM's model provider, called by get_model per virtual stage, with the config made here.
+
+    V: Megatron-LM asks for pre/post_process by pipeline rank and virtual stage; chunk c of rank r holds
+    stage `placement.stage_of(r, c)`: the embedding on stage 0, the output layer and loss on stage 2p-1,
+    both on rank 0 (tied weight shared there).  TE split: Transformer Engine layers defer their weight
+    gradients to W (delay_wgrad_compute set on the built config, which megatron-core 0.16's
+    TransformerConfig would refuse at construction without MoE overlap), and get_model's DDP config,
+    which it copies from args, takes their gradients from TE's hooks."""
     from megatron.core import parallel_state
+    from megatron.training import get_args
 
     from ..runtime.chunks import _tie_output_to_embedding, _without_embedding_group, chunk_config
 
     built = {}
 
     def provide(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, **kwargs):
-        rank = parallel_state.get_pipeline_model_parallel_rank()
-        stage = placement.stage_of(rank, vp_stage or 0)
+        args = get_args()
         if config is None:
+            args.delay_wgrad_compute = False  # set below for DDP: Megatron's config from args would refuse it
             config = _config_from_args()
-        model = provider(pre_process=stage == 0, post_process=stage == placement.num_stages - 1,
-                         vp_stage=vp_stage, config=chunk_config(config, placement),
-                         pg_collection=_without_embedding_group(pg_collection), **kwargs)
+        if placement.kind == "v":
+            rank = parallel_state.get_pipeline_model_parallel_rank()
+            stage = placement.stage_of(rank, vp_stage or 0)
+            pre_process, post_process = stage == 0, stage == placement.num_stages - 1
+            config, pg_collection = chunk_config(config, placement), _without_embedding_group(pg_collection)
+        if te_split:
+            from ..runtime.wgrad import defer_te_wgrad
+
+            defer_te_wgrad(config)
+            args.delay_wgrad_compute = True  # read by get_model into DistributedDataParallelConfig
+        model = provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, config=config,
+                         pg_collection=pg_collection, **kwargs)
         built[vp_stage] = model
-        if rank == 0 and vp_stage == 1 and getattr(model, "share_embeddings_and_output_weights", False):
+        if placement.kind == "v" and parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == 1 \
+                and getattr(model, "share_embeddings_and_output_weights", False):
             _tie_output_to_embedding(model, built[0])
         return model
 

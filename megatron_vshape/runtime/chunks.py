@@ -29,6 +29,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.module import Float16Module, float16_to_fp32
 
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
@@ -307,3 +308,19 @@ def global_named_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, torch
             number = layers[int(m.group(2))].layer_number  # 1-based global layer number
             name = f"{m.group(1)}{number - 1}.{name[m.end():]}"
         yield name, param
+
+
+class VFloat16Module(Float16Module):
+    """megatron-core's Float16Module for a chunk of the V: only the output of the last stage (2p-1, rank 0's
+    chunk 1) is upcast to fp32.  megatron-core upcasts the last virtual stage of the last pipeline rank,
+    which on the V is stage p, a middle stage whose output the next stage expects in the pipeline dtype.
+    Inputs are cast on stage 0 as megatron-core does (rank 0, chunk 0 there too)."""
+
+    def __init__(self, config, module, placement: Placement):
+        super().__init__(config, module)
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.last_stage = placement.stage_of(rank, self.vp_stage or 0) == placement.num_stages - 1
+
+    def forward(self, *inputs, fp32_output=True, **kwargs):
+        outputs = super().forward(*inputs, fp32_output=False, **kwargs)
+        return float16_to_fp32(outputs) if fp32_output and self.last_stage else outputs
