@@ -17,10 +17,17 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         ("--microbatch-group-size-per-virtual-pipeline-stage", int, None),
         ("--decoder-first-pipeline-num-layers", int, None), ("--decoder-last-pipeline-num-layers", int, None),
         ("--pipeline-model-parallel-layout", str, None),
-        ("--train-iters", int, 1), ("--lr", float, 0.0), ("--seed", int, 1234),
+        ("--train-iters", int, 1), ("--train-samples", int, None), ("--lr", float, 0.0), ("--seed", int, 1234),
         ("--distributed-backend", str, "gloo"), ("--transformer-impl", str, "local"),
+        ("--cuda-graph-impl", str, "none"), ("--ckpt-format", str, "torch_dist"),
     ):
         g.add_argument(flag, type=kind, default=default)
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None)
+    g.add_argument("--cuda-graph-scope", nargs="+", default=[])
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    for flag in ("--overlap-moe-expert-parallel-comm", "--tp-comm-overlap", "--delay-wgrad-compute", "--bf16",
+                 "--decrease-batch-size-if-needed"):
+        g.add_argument(flag, action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
@@ -48,6 +55,10 @@ def validate_args(args, defaults={}):
         args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
+    if args.virtual_pipeline_model_parallel_size is not None and not args.overlap_p2p_comm:
+        assert args.pipeline_model_parallel_size > 2, \
+            "When interleaved schedule is used and p2p communication overlap is disabled, pipeline-model-parallel " \
+            "size should be greater than 2"  # Megatron-LM's own check
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.padded_vocab_size = args.vocab_size
@@ -57,12 +68,14 @@ def validate_args(args, defaults={}):
 def core_transformer_config_from_args(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
+        bf16=args.bf16, delay_wgrad_compute=args.delay_wgrad_compute,  # Megatron-LM copies both from args
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )

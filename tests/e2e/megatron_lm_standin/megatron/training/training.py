@@ -4,6 +4,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.core import parallel_state as mpu
 
@@ -35,6 +36,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
                                      pg_collection=pg_collection)]
         model[0].model_type = model_type
     load_weights(model, args.seed)
+    if args.bf16:  # as Megatron-LM: wrap every chunk after building it
+        model = [Float16Module(get_model_config(chunk), chunk) for chunk in model]
     return model
 
 
