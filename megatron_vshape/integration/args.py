@@ -29,8 +29,17 @@ from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule
 
 AUTO = "auto"
-# Transformer Engine release whose layers can defer their weight gradient (delay_wgrad_compute).
-TE_MIN_FOR_SPLIT = (2, 3)
+# Transformer Engine release from which the B/W split works with its layers (README, "Transformer Engine").
+TE_MIN_FOR_SPLIT = (2, 8)
+# Why older ones cannot, by the release that fixed it (read in TE's source history).
+TE_SPLIT_HISTORY = (
+    ((2, 3), "layers cannot defer their weight gradient (delay_wgrad_compute and backward_dw() came in 2.3)"),
+    ((2, 7), "backward_dw() fires no gradient hook, so megatron-core's DDP never sees the deferred gradients "
+             "(register_wgrad_accumulation_and_reduce_hooks came in 2.7)"),
+    ((2, 8), "backward_dw() keeps a stale .grad and LayerNormMLP/GroupedLinear give DDP's hook no gradient "
+             "on the fused path (fixed in 2.8; Megatron-LM requires 2.8 for delay_wgrad_compute with "
+             "--overlap-grad-reduce)"),
+)
 LAYER_SPLIT_FLAGS = (
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
@@ -222,10 +231,11 @@ def _check_options_the_runtime_refuses(args, name: str, schedule: Schedule) -> N
                               f"install transformer-engine>={'.'.join(map(str, TE_MIN_FOR_SPLIT))} or pass "
                               f"--transformer-impl local")
         if version < TE_MIN_FOR_SPLIT:
+            why = next(reason for fixed, reason in TE_SPLIT_HISTORY if version < fixed)
             raise ConfigError(f"--pipeline-schedule {name} splits the backward into B and W, which Transformer Engine "
-                              f"supports from {'.'.join(map(str, TE_MIN_FOR_SPLIT))} (delay_wgrad_compute); found "
-                              f"{'.'.join(map(str, version))}: upgrade it, pass --transformer-impl local, or use a "
-                              f"schedule without W (1f1b, 1f1b-interleaved)")
+                              f"supports from {'.'.join(map(str, TE_MIN_FOR_SPLIT))}; found "
+                              f"{'.'.join(map(str, version))}, whose {why}: upgrade it, pass --transformer-impl "
+                              f"local, or use a schedule without W (1f1b, 1f1b-interleaved)")
 
 
 def _check_gpu_options(args, name: str, schedule: Schedule) -> None:

@@ -194,7 +194,8 @@ class _Step:
         self.te = [[] for _ in self.model]  # Transformer Engine layers that defer: backward_dw() at W and BW
         if not forward_only:
             try:
-                self.te = wgrad.check_te_split(self.model, self.sched.ranks[self.rank], self.split)
+                self.te = wgrad.check_te_split(self.model, self.sched.ranks[self.rank], self.split,
+                                               getattr(self.config, "tp_comm_overlap", False))
             except ConfigError as e:
                 raise ConfigError(f"schedule {self.sched.name!r}: {e}") from None
         self.stats = ex.stats

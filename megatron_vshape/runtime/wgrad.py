@@ -304,7 +304,7 @@ def te_modules(chunk: torch.nn.Module, deferring: bool = True) -> list:
     return out
 
 
-def check_te_split(chunks, ops, split: bool) -> List[list]:
+def check_te_split(chunks, ops, split: bool, tp_comm_overlap: bool = False) -> List[list]:
     """Per chunk, its deferring TE layers (see te_modules); ConfigError when the step cannot honour them.
 
     A schedule with W ops (`split`) needs every TE layer to defer, or its W does nothing for them.
@@ -326,6 +326,10 @@ def check_te_split(chunks, ops, split: bool) -> List[list]:
     modules = [te_modules(chunk) for chunk in chunks]
     if not any(modules):
         return modules
+    if tp_comm_overlap:
+        raise ConfigError("tp_comm_overlap=True (Transformer Engine's userbuffer communication) with Transformer "
+                          "Engine layers that defer their weight gradients: TE does not support that (it raises); "
+                          "set tp_comm_overlap=False or use a schedule without W (1f1b, 1f1b-interleaved)")
     problem = check_fifo_w_order(ops)
     if problem:
         raise ConfigError(f"Transformer Engine defers weight gradients per layer in B order, but {problem}; "
@@ -335,13 +339,9 @@ def check_te_split(chunks, ops, split: bool) -> List[list]:
             raise ConfigError(f"Transformer Engine layer {type(module).__name__} defers its weight gradient "
                               "(delay_wgrad_compute) but no gradient hook is registered with it; wrap the chunks "
                               "in megatron-core's DistributedDataParallel with ddp_config.delay_wgrad_compute=True "
-                              "(runtime.wgrad.defer_te_wgrad(config, ddp_config)) on Transformer Engine >= "
-                              f"{'.'.join(map(str, TE_MIN))}")
+                              "(runtime.wgrad.defer_te_wgrad(config, ddp_config)), on a Transformer Engine that "
+                              "registers them (>= 2.7; the split needs >= 2.8, see README)")
     return modules
-
-
-# Transformer Engine release from which the split works (why: see README, "Transformer Engine").
-TE_MIN = (2, 8)
 
 
 def te_backward_dw(modules: list) -> None:

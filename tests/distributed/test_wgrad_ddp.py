@@ -177,3 +177,5 @@ def test_te_layers_the_step_cannot_honour_are_refused_before_it_starts():
     assert check_te_split([_double(False)], ops, split=False) == [[]]  # BW ops: TE's own backward
     with pytest.raises(ConfigError, match=r"no gradient hook.*ddp_config.delay_wgrad_compute=True"):
         check_te_split([_double(True, hooked=False)], ops, split=True)
+    with pytest.raises(ConfigError, match=r"tp_comm_overlap=True .*userbuffer"):
+        check_te_split([_double(True)], ops, split=True, tp_comm_overlap=True)

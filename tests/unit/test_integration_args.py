@@ -77,12 +77,14 @@ def test_bad_combinations_name_the_value_and_the_fix(argv, sizes, words):
 def test_transformer_engine_is_checked_where_the_schedule_splits_the_backward(monkeypatch):
     from megatron_vshape.integration import args as mod
 
-    monkeypatch.setattr(mod, "_te_version", lambda: (2, 1))
-    with pytest.raises(ConfigError, match="from 2.3"):
-        validate_pipeline_args(_args("--pipeline-schedule", "v-half", transformer_impl="transformer_engine"))
+    # The reason an older TE cannot, by release (TE's source history; README "Transformer Engine").
+    for version, reason in (((2, 1), "came in 2.3"), ((2, 6), "fires no gradient hook"), ((2, 7), "fixed in 2.8")):
+        monkeypatch.setattr(mod, "_te_version", lambda version=version: version)
+        with pytest.raises(ConfigError, match=f"from 2.8; found {version[0]}.{version[1]}, whose .*{reason}"):
+            validate_pipeline_args(_args("--pipeline-schedule", "v-half", transformer_impl="transformer_engine"))
     # 1F1B has no W: any TE will do
     assert validate_pipeline_args(_args("--pipeline-schedule", "1f1b", transformer_impl="transformer_engine"))
-    monkeypatch.setattr(mod, "_te_version", lambda: (2, 3))
+    monkeypatch.setattr(mod, "_te_version", lambda: (2, 8))
     assert validate_pipeline_args(_args("--pipeline-schedule", "v-half", transformer_impl="transformer_engine"))
 
 
