@@ -7,12 +7,16 @@ each one where Megatron-LM looks it up, so the script itself stays unchanged:
   ---------------------------------------------------------   -------------------------------------------
   parse_args (megatron.training.initialize)                   adds --pipeline-schedule and its options
   validate_args (megatron.training.initialize)                checks them first (ConfigError before any
-                                                               process group), then asks Megatron for the
-                                                               placement's virtual pipeline size
+                                                               process group), with the Megatron-LM flags a
+                                                               schedule cannot honour, then asks Megatron for
+                                                               the placement's virtual pipeline size
   initialize_megatron (megatron.training.training)            V: embedding group = first pipeline rank
   get_model (megatron.training.training)                      V: chunk c of rank r is stage r or 2p-1-r
                                                                (pre/post_process), layer offsets along
-                                                               the V, tied weight shared on rank 0
+                                                               the V, tied weight shared on rank 0,
+                                                               Float16Module upcasting stage 2p-1 only;
+                                                               TE under a split: delay_wgrad_compute on
+                                                               the config and the DDP config
   get_forward_backward_func (megatron.training.training)      the executor running the schedule
   is_first_or_last_pipeline_stage (megatron.training.utils)   V: rank 0 loads data (both ends live there)
   get_batch_on_this_tp_rank (megatron.training.utils)         V: rank 0 gets every field over TP, as pp=1

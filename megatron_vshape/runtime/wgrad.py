@@ -17,8 +17,9 @@ exactly once per weight per microbatch, after the weight's gradient of that micr
 
 Paths.  `gradient_accumulation_fusion` (a weight with `main_grad`): the GEMM accumulates into
 `main_grad` (apex's fused kernel on CUDA when present, `addmm_` otherwise) and, as megatron-core
-does, a dummy gradient with `grad_added_to_main_grad = True` drives the hooks.  Plain path: the
-GEMM result is accumulated into `.grad` by autograd.
+does, a dummy gradient with `grad_added_to_main_grad = True` drives the hooks (one reused buffer
+per shape and dtype).  Plain path: the GEMM result is accumulated into `.grad` by autograd.  Either
+way W handles one weight at a time, so it holds one weight's gradient, not the stage's.
 
 Tensor and sequence parallelism.  B does the input-gradient GEMM and its all-reduce (TP) or
 reduce-scatter (sequence parallelism), as megatron-core does.  With sequence parallelism W
@@ -27,10 +28,11 @@ keeping the gathered input alive from B to W; it costs communication, saves tp t
 memory, and matches what megatron-core does at backward time.  All ranks of a TP group run the
 same op list, so those collectives line up.
 
-Transformer Engine >= 2.3 (GPU only, import-guarded, never imported here at module import):
-layers built with `delay_wgrad_compute` defer by themselves; `te_backward_dw(chunk)` calls
-their `backward_dw()` at W.  TE keeps one FIFO per layer, so it needs W in B order per stage;
-`check_fifo_w_order` says whether a schedule satisfies that.
+Transformer Engine (GPU only, never imported: found by its documented contract): layers built with
+`delay_wgrad_compute` (`defer_te_wgrad`) defer by themselves into one FIFO per layer; `te_backward_dw`
+runs their `backward_dw()` at W, which fires the hooks megatron-core's DDP registered with them.
+`check_te_split` refuses, before a step, what TE cannot honour (W out of B order on a stage, no hooks,
+layers that do not defer under a schedule with W, userbuffer overlap).  Supported from TE 2.8 (README).
 """
 from __future__ import annotations
 
