@@ -158,10 +158,10 @@ def _check_rampup(args, plan) -> None:
 
     start, increment = int(ramp[0]), int(ramp[1])
     per = (getattr(args, "micro_batch_size", None) or 1) * data_parallel_size(args)
-    if plan.name not in registry.names():
-        raise ConfigError(f"--rampup-batch-size changes the number of microbatches, but --pipeline-schedule "
-                          f"{plan.name} is one schedule built for {plan.num_microbatches}; unset the ramp or name a "
-                          "registered schedule")
+    if plan.name not in registry.names() or getattr(plan, "source", None):  # runs as built: see _executor
+        raise ConfigError(f"--rampup-batch-size changes the number of microbatches, but schedule {plan.name} is one "
+                          f"op list for {plan.num_microbatches} microbatches; unset the ramp or pass a registered "
+                          "--pipeline-schedule")
     if not getattr(args, "decrease_batch_size_if_needed", False):
         for what, value in (("start", start), ("increment", increment)):
             if value % per:
