@@ -172,8 +172,9 @@ def _check_rampup(args, plan) -> None:
         registry.build(plan.name, plan.pp, m, plan.costs, **plan.options)
     except ConfigError as e:
         need = next((k for k in range(m + 1, plan.num_microbatches + 1) if _builds(plan, k)), plan.num_microbatches)
-        raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which --pipeline-schedule "
-                          f"{plan.name} cannot run ({e}); start the ramp at >= {need * per} samples") from None
+        raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which "
+                          f"--pipeline-schedule {plan.name} cannot run ({e}); start the ramp at >= {need * per} "
+                          "samples") from None
 
 
 def _builds(plan, m: int) -> bool:
