@@ -28,27 +28,21 @@ import queue
 
 import torch
 
+from megatron_vshape.runtime.stats import Recorder
+
 LOG = []  # ("push" | "pop", layer id, op text of the op running, op text the entry was pushed in)
 _current = {"op": None}
 
 
-class OpTracker:
-    """The executor's `stats` interface, recording which op is running (nothing else)."""
-
-    def exclude_parameters(self, params):
-        pass
-
-    def hold(self, tensor):
-        return None
-
-    def saved_tensors(self):
-        return contextlib.nullcontext()
+class OpTracker(Recorder):
+    """The executor's stats recorder, also noting which op is running (for LOG)."""
 
     @contextlib.contextmanager
     def op(self, kind, microbatch, stage, device):
         _current["op"] = f"{kind}{microbatch}@{stage}"
         try:
-            yield
+            with super().op(kind, microbatch, stage, device):
+                yield
         finally:
             _current["op"] = None
 
@@ -87,6 +81,7 @@ class _Fn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         layer = ctx.layer
+        param = layer.weight  # main_grad and DDP's marker live on the Parameter (a saved tensor may be a copy)
         dx = dy.matmul(weight)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         fused = layer.fuse_wgrad_accumulation
@@ -94,7 +89,7 @@ class _Fn(torch.autograd.Function):
         def gemm(inp, grad):
             dw = grad.t().matmul(inp)
             if fused:
-                weight.main_grad.add_(dw)
+                param.main_grad.add_(dw)
                 dw = None
             return dw, (grad.sum(dim=0) if ctx.has_bias else None)
 
@@ -104,9 +99,9 @@ class _Fn(torch.autograd.Function):
             dw, db = None, None
         else:
             dw, db = gemm(x2, dy2)
-        if fused and hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            dw = _dummy(weight)
+        if fused and hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
+            dw = _dummy(param)
         return dx, dw, db, None
 
 
