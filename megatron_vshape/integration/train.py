@@ -275,7 +275,8 @@ def transformer_config(args, device):
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, use_cpu_initialization=not gpu,
         **gpu_defaults.config_options(args, gpu),  # fusions and output deallocation on GPUs
-        # Not delay_wgrad_compute: megatron-core 0.16 allows it only with MoE expert-parallel overlap.
+        # Not delay_wgrad_compute here: megatron-core 0.16 refuses it without MoE expert-parallel overlap;
+        # build_model_chunks(split_backward=True) sets it on the built config (runtime.wgrad.defer_te_wgrad).
     )
 
 
@@ -291,7 +292,7 @@ def _layer_spec(args, device):
     return gpt_layer_specs.get_gpt_layer_local_spec()
 
 
-def build_model(args, placement, device):
+def build_model(args, placement, device, split_backward: bool = False):
     from ..runtime.chunks import build_model_chunks
     from ..runtime.init import init_by_name
 
@@ -301,7 +302,8 @@ def build_model(args, placement, device):
         max_sequence_length=args.max_position_embeddings or args.seq_length,
         transformer_layer_spec=_layer_spec(args, device),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type)
+        position_embedding_type=args.position_embedding_type,
+        split_backward=split_backward)  # Transformer Engine layers defer their weight gradients to W
     init_by_name(chunks, args.seed, args.init_method_std, args.num_layers)
     if device.type == "cpu":
         from ..runtime.cpu_spec import use_cpu_rotary
@@ -374,8 +376,10 @@ def build_optimizer(args, chunks, config, device):
 
         if args.bf16 or args.fp16:
             chunks = [Float16Module(config, c) for c in chunks]
+        # delay_wgrad_compute: DDP takes deferring TE layers' gradients from their hooks at W (runtime.wgrad).
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
+                                                   use_distributed_optimizer=False,
+                                                   delay_wgrad_compute=config.delay_wgrad_compute)
         chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -609,7 +613,7 @@ def run(args, plan) -> dict:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
     if plan and plan.source:
         _print0(f"  schedule read from --pipeline-schedule-file {plan.source} (verified)")
-    chunks, config = build_model(args, placement, device)
+    chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward))
     chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
     recorders = _Recorders()
     fb = forward_backward_func(args, plan, recorders, device)
