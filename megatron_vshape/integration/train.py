@@ -551,9 +551,11 @@ def forward_backward_no_pipelining_cpu(*, forward_step_func, data_iterator, mode
     """megatron-core's forward_backward_no_pipelining (which puts its token count on CUDA), on CPU:
     megatron's own forward_step and backward_step per microbatch, then finalize_model_grads_func."""
     import torch
-    from megatron.core.pipeline_parallel.schedules import backward_step
-    from megatron.core.pipeline_parallel.schedules import forward_step as megatron_forward_step
     from megatron.core.utils import get_model_config, get_model_type
+
+    from ..runtime.compat import megatron_steps
+
+    megatron_forward_step, backward_step, _ = megatron_steps()
 
     (model,) = model if isinstance(model, list) else [model]
     data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
@@ -872,6 +874,9 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         plan = validate(args)
+        from ..runtime.compat import check_release
+
+        check_release()  # an untested megatron-core release stops here, before any process group
     except ConfigError as e:  # every rank validates alike: said once (rank 0)
         report(PROG, str(e), shared=True)
         return EXIT_CONFIG

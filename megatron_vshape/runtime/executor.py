@@ -38,7 +38,7 @@ from ..schedule.comm import ACT, Message, channel_streams, channels, input_messa
 from ..schedule.errors import ConfigError
 from ..schedule.ops import B, BW, F, W, Costs, Schedule
 from ..schedule.verify import forward_only_view, verify
-from . import wgrad
+from . import compat, wgrad
 from .microbatch_data import bind, for_op
 from .p2p import P2P, local_activation, tensor_shape
 
@@ -56,6 +56,7 @@ def get_forward_backward_func(schedule: Union[str, Schedule], costs: Optional[Co
         registry.generator(schedule)  # unknown names fail here, before any rank starts a step
     elif not isinstance(schedule, Schedule):
         raise ConfigError(f"schedule must be a registered name or a Schedule, not {type(schedule).__name__}")
+    _megatron_steps()  # an untested megatron-core release, or a changed signature, fails here, at start-up
     return _Executor(schedule, costs, **options)
 
 
@@ -106,27 +107,10 @@ class _Executor:
                      pg_collection, force_all_reduce).run()
 
 
-# Keywords of megatron-core's forward_step the executor relies on: the stage that computes the
-# loss is decided by the schedule (rank 0 in the V), not by parallel_state, so is_last_stage must
-# be passable; cp_group_size comes with it (megatron-core asserts both or neither).
-_FORWARD_STEP_KEYWORDS = ("cp_group_size", "collect_non_loss_data", "is_first_microbatch", "current_microbatch",
-                          "is_last_stage")
-
-
 def _megatron_steps():
-    """megatron-core's (forward_step, backward_step, check_first_val_step), checked for the keywords used."""
-    import inspect
-
-    from megatron.core.pipeline_parallel import schedules
-
-    missing = [k for k in _FORWARD_STEP_KEYWORDS if k not in inspect.signature(schedules.forward_step).parameters]
-    if missing:
-        from megatron.core.package_info import __version__
-
-        raise ConfigError(f"megatron-core {__version__}: pipeline_parallel.schedules.forward_step takes no "
-                          f"{', '.join(missing)}; megatron_vshape needs a release whose forward_step takes "
-                          f"{', '.join(_FORWARD_STEP_KEYWORDS)} (tested with 0.16)")
-    return schedules.forward_step, schedules.backward_step, schedules.check_first_val_step
+    """megatron-core's (forward_step, backward_step, check_first_val_step), checked for what the executor
+    uses; backward_step takes model_type on every release (runtime.compat)."""
+    return compat.megatron_steps()
 
 
 def _groups(pg_collection, p2p_communicator):

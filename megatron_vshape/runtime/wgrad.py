@@ -186,7 +186,9 @@ def _split_forward_impl(module, args, kwargs):
     from ..schedule.errors import ConfigError
 
     # A newer megatron-core may pass options this split does not implement: refuse rather than ignore.
-    unknown = {k: v for k, v in call.items() if k not in _LINEAR_ARGS and v is not None}
+    from .compat import linear_options
+
+    unknown = linear_options(call, _LINEAR_ARGS)  # gtp_remat_size=1 (megatron-core 0.19) passes
     if unknown:
         raise ConfigError(f"{type(module).__name__} passes {sorted(unknown)} to its linear function, which the B/W "
                           "split of megatron_vshape does not implement; use a schedule without a split (1f1b)")
