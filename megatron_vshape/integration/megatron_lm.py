@@ -1,12 +1,13 @@
 """`install()`: run Megatron-LM's own `pretrain_gpt.py` under a megatron_vshape schedule.
 
-Megatron-LM (tag core_v0.16.1) decides the pipeline in a handful of functions.  `install()` wraps
-each one where Megatron-LM looks it up, so the script itself stays unchanged:
+Megatron-LM (core_v0.16.x to main) decides the pipeline in a handful of functions.  `install()` wraps
+each one where that release looks it up, so the script itself stays unchanged:
 
   Megatron-LM function (module where it is looked up)         what the wrapper changes
   ---------------------------------------------------------   -------------------------------------------
-  parse_args (megatron.training.initialize)                   adds --pipeline-schedule and its options
-  validate_args (megatron.training.initialize)                checks them first (ConfigError before any
+  parse_args (megatron.training.arguments; initialize_megatron adds --pipeline-schedule and its options
+    calls it up to core_v0.17, parse_and_validate_args from 0.18)
+  validate_args (megatron.training.arguments, as parse_args)  checks them first (ConfigError before any
                                                                process group), with the Megatron-LM flags a
                                                                schedule cannot honour, then asks Megatron for
                                                                the placement's virtual pipeline size
@@ -17,9 +18,14 @@ each one where Megatron-LM looks it up, so the script itself stays unchanged:
                                                                Float16Module upcasting stage 2p-1 only;
                                                                TE under a split: delay_wgrad_compute on
                                                                the config and the DDP config
-  get_forward_backward_func (megatron.training.training)      the executor running the schedule
+  GPTModelBuilder.build_model (megatron.training.models.gpt;  V: the same chunks, for the config-container
+    core_v0.19 and main, which build without get_model)        path
+  get_forward_backward_func (megatron.training.training)      the executor running the schedule; its
+                                                               pp_size, vp_size, schedule_pg_collection
+                                                               (core_v0.19) are checked or honoured
   is_first_or_last_pipeline_stage (megatron.training.utils)   V: rank 0 loads data (both ends live there)
-  get_batch_on_this_tp_rank (megatron.training.utils)         V: rank 0 gets every field over TP, as pp=1
+  get_batch_on_this_tp_rank (megatron.training.utils up to    V: rank 0 gets every field over TP, as pp=1
+    core_v0.17, megatron.core.utils with a batch dict from 0.18)
 
 A function is rebound in its module and wherever it was already imported by name (a script that
 calls install() after its imports).  Without --pipeline-schedule every wrapper calls Megatron-LM's
@@ -30,13 +36,18 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import sys
 from typing import Callable, Optional
 
 from ..schedule.errors import ConfigError
 
-SUPPORTED_TAGS = ("core_v0.16.0", "core_v0.16.1")
+# Megatron-LM releases install() supports, by the megatron-core release their checkout carries
+# (megatron/core/package_info.py): (major, minor) -> the tags tested (README's support table).
+SUPPORTED = {(0, 16): ("core_v0.16.0", "core_v0.16.1"), (0, 17): ("core_v0.17.1",), (0, 18): ("core_v0.18.2",),
+             (0, 19): ("core_v0.19.0",), (0, 20): ("main (d98e8a6, megatron-core 0.20.0)",)}
+SUPPORTED_TAGS = tuple(tag for tags in SUPPORTED.values() for tag in tags)
 
 # The plan validated on this process (set by the validate_args hook, read by the others).
 _plan = None
@@ -300,15 +311,42 @@ def _config_from_args():
 
 def _get_forward_backward_func(orig):
     cache = {}  # id(plan) -> executor: train() and evaluate() share one (it caches its op lists)
+    signature = inspect.signature(orig)
 
     def get_forward_backward_func(*args, **kwargs):
         if _plan is None:
             return orig(*args, **kwargs)
+        given = signature.bind(*args, **kwargs).arguments  # an argument this release lacks: TypeError, as orig
         if id(_plan) not in cache:
             cache.clear()
             cache[id(_plan)] = _executor(_plan)
-        return cache[id(_plan)]
+        return _with_schedule_groups(cache[id(_plan)], _plan, given)
     return get_forward_backward_func
+
+
+def _with_schedule_groups(executor, plan, given: dict):
+    """Megatron-core's selectors: pp_size/vp_size (they must be the plan's) and, from core_v0.19,
+    schedule_pg_collection: a multi-module (cross-grid) collection is refused, a plain one becomes the
+    groups of calls that pass none (Megatron-LM passes the same collection to each call)."""
+    vp = plan.virtual_pipeline_model_parallel_size
+    for name, want in (("pp_size", plan.pp), ("vp_size", vp)):
+        if given.get(name) is not None and given[name] != want:
+            raise ConfigError(f"get_forward_backward_func({name}={given[name]}) but --pipeline-schedule {plan.name} "
+                              f"runs {name}={want}; call it without {name} or with the schedule's")
+    groups = given.get("schedule_pg_collection")
+    if groups is None:
+        return executor
+    if not hasattr(groups, "pp"):  # MultiModuleProcessGroupCollection: megatron-core's bridge schedule
+        raise ConfigError(f"--pipeline-schedule {plan.name} runs one model's pipeline; a multi-module "
+                          f"{type(groups).__name__} is not supported; drop --pipeline-schedule for it")
+
+    def forward_backward(**kwargs):
+        if kwargs.get("pg_collection") is None:
+            kwargs["pg_collection"] = groups
+        return executor(**kwargs)
+
+    forward_backward.__name__ = executor.__name__
+    return forward_backward
 
 
 def _executor(plan):
@@ -335,26 +373,55 @@ def _is_first_or_last_pipeline_stage(orig):
 
 
 def _get_batch_on_this_tp_rank(orig):
-    def get_batch_on_this_tp_rank(data_iterator, *args, **kwargs):
+    signature = inspect.signature(orig)  # (data_iterator, mtp_on_this_rank) up to core_v0.17, (batch, ...) from 0.18
+
+    def get_batch_on_this_tp_rank(*args, **kwargs):
         if _is_v():
             from megatron.core import parallel_state
 
             if parallel_state.get_pipeline_model_parallel_rank() == 0:
                 # Rank 0 is the first and the last stage: like pp=1 (or a rank with MTP layers) it needs
                 # tokens, labels and loss mask, and Megatron-LM broadcasts them all over TP for this flag.
-                args, kwargs = (), {**kwargs, "mtp_on_this_rank": True}
-        return orig(data_iterator, *args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+                bound.arguments["mtp_on_this_rank"] = True
+                args, kwargs = bound.args, bound.kwargs
+        return orig(*args, **kwargs)
     return get_batch_on_this_tp_rank
 
 
+def _build_model(orig):
+    """GPTModelBuilder.build_model (core_v0.19 and main): the config-container path builds each virtual
+    stage with it and never calls get_model; on the V it gets get_model's V provider."""
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        if not _is_v():
+            return orig(self, pg_collection, pre_process, post_process, vp_stage)
+        cfg = self._model_config
+
+        def provider(pre_process, post_process, vp_stage, config, pg_collection):
+            saved, cfg.transformer = cfg.transformer, config
+            try:
+                return orig(self, pg_collection, pre_process, post_process, vp_stage)
+            finally:
+                cfg.transformer = saved
+
+        if "_vshape_provide" not in vars(self):  # one per builder: chunk 1 ties to chunk 0's embedding
+            # No TE split here: this path's DDP config comes from the config container, not from args.
+            self._vshape_provide = _model_provider(provider, _placement(), te_split=False)
+        return self._vshape_provide(vp_stage=vp_stage, config=cfg.transformer, pg_collection=pg_collection)
+    return build_model
+
+
+# (modules where Megatron-LM looks the function up: the first that has it is hooked, name, wrapper, needed)
 HOOKS = (
-    ("megatron.training.initialize", "parse_args", _parse_args),
-    ("megatron.training.initialize", "validate_args", _validate_args),
-    ("megatron.training.training", "initialize_megatron", _initialize_megatron),
-    ("megatron.training.training", "get_model", _get_model),
-    ("megatron.training.training", "get_forward_backward_func", _get_forward_backward_func),
-    ("megatron.training.utils", "is_first_or_last_pipeline_stage", _is_first_or_last_pipeline_stage),
-    ("megatron.training.utils", "get_batch_on_this_tp_rank", _get_batch_on_this_tp_rank),
+    (("megatron.training.arguments",), "parse_args", _parse_args, True),
+    (("megatron.training.arguments",), "validate_args", _validate_args, True),
+    (("megatron.training.training",), "initialize_megatron", _initialize_megatron, True),
+    (("megatron.training.training",), "get_model", _get_model, True),
+    (("megatron.training.training",), "get_forward_backward_func", _get_forward_backward_func, True),
+    (("megatron.training.utils",), "is_first_or_last_pipeline_stage", _is_first_or_last_pipeline_stage, True),
+    (("megatron.training.utils", "megatron.core.utils"), "get_batch_on_this_tp_rank", _get_batch_on_this_tp_rank,
+     True),
+    (("megatron.training.models.gpt",), "GPTModelBuilder.build_model", _build_model, False),  # core_v0.19 on
 )
 
 
@@ -369,19 +436,82 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    try:
-        importlib.import_module("megatron.training")
-    except ImportError as e:
-        raise ConfigError(f"megatron_vshape.install() needs Megatron-LM's megatron.training package ({e}); run from a "
-                          f"Megatron-LM checkout ({' or '.join(SUPPORTED_TAGS)}) or put it on PYTHONPATH") from None
-    for module_name, name, make in HOOKS:
-        module = importlib.import_module(module_name)
-        orig = getattr(module, name, None)
-        if orig is None:
-            raise ConfigError(f"Megatron-LM's {module_name} has no {name}; megatron_vshape supports Megatron-LM "
-                              f"{', '.join(SUPPORTED_TAGS)}")
-        _rebind(module, name, orig, functools.wraps(orig)(make(orig)))
+    _import("megatron.training")
+    version = _megatron_lm_release()
+    from ..runtime.compat import check_release
+
+    check_release(version)
+    found = []
+    for module_names, name, make, needed in HOOKS:
+        owner, attr = _find(module_names, name, version, needed)
+        if owner is not None:
+            found.append((owner, attr, make))
+    for owner, attr, make in found:  # all found first: install() hooks everything or nothing
+        orig = getattr(owner, attr)
+        new = functools.wraps(orig)(make(orig))
+        if inspect.isclass(owner):
+            setattr(owner, attr, new)
+        else:
+            _rebind(owner, attr, orig, new)
     _installed = True
+
+
+def _import(module_name: str):
+    """Import a Megatron-LM module; a missing dependency is named with the command that installs it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        missing = getattr(e, "name", None) or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise ConfigError(f"megatron_vshape.install() needs Megatron-LM's {module_name} ({e}); run from a "
+                              f"Megatron-LM checkout ({', '.join(SUPPORTED_TAGS)}) or put it on PYTHONPATH") from None
+        if "cannot import name 'override' from 'typing'" in str(e):
+            raise ConfigError(f"this Megatron-LM ({module_name}) needs Python >= 3.12 (typing.override, used from "
+                              f"core_v0.18 on); this is Python {sys.version.split()[0]}: use Python 3.12, or "
+                              "Megatron-LM core_v0.17.x or older") from None
+        raise ConfigError(f"Megatron-LM's {module_name} needs the Python package {missing or e}, which is not "
+                          "installed: pip install .[megatron-lm] (in the megatron_vshape checkout)") from None
+
+
+def _megatron_lm_release() -> str:
+    """The megatron-core release of this Megatron-LM (its checkout carries megatron/core); ConfigError,
+    naming it and the supported tags, when install() does not support it."""
+    from ..runtime.compat import _parse, release
+
+    version = release()
+    parsed = _parse(version)
+    if parsed is None or parsed[:2] not in SUPPORTED:
+        raise ConfigError(f"Megatron-LM with megatron-core {version} (tag core_v{version} or a branch near it) is not "
+                          f"supported; megatron_vshape supports Megatron-LM {', '.join(SUPPORTED_TAGS)}")
+    return version
+
+
+def _find(module_names, name: str, version: str, needed: bool):
+    """(module or class, attribute) where Megatron-LM looks `name` up, the first of `module_names` that
+    has it; (None, None) for an optional hook this release has no place for."""
+    path = name.split(".")
+    for module_name in module_names:
+        if not needed and not _exists(module_name):
+            continue
+        owner = _import(module_name)
+        for part in path[:-1]:
+            owner = getattr(owner, part, None)
+        if owner is not None and getattr(owner, path[-1], None) is not None:
+            return owner, path[-1]
+    if needed:
+        raise ConfigError(f"Megatron-LM (megatron-core {version}) has no {name} in {' or '.join(module_names)}; "
+                          f"megatron_vshape supports Megatron-LM {', '.join(SUPPORTED_TAGS)}")
+    return None, None
+
+
+def _exists(module_name: str) -> bool:
+    """Whether this Megatron-LM has the module (it may still fail to import: _import says why)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError as e:  # a parent package is missing
+        return not (e.name and module_name.startswith(e.name))
+    except ImportError:
+        return True
 
 
 def _rebind(module, name: str, orig, new) -> None:

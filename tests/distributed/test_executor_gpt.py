@@ -178,6 +178,16 @@ def test_tp2_pp2_several_optimizer_steps():
     _run(tp=2, pp=2, steps=3, cases=cases, sanity=True)
 
 
+@pytest.mark.timeout(400)
+def test_tp2_pp4_every_schedule():
+    # Eight ranks: one microbatch count (2pp) per schedule, the V's tied, the rest untied (as above).
+    tied, untied = TinyGPT(num_layers=8, seq_length=8, tied_embeddings=True), TinyGPT(num_layers=8, seq_length=8)
+    v = [n for n in registry.names() if registry.build(n, 4, 8).placement.kind == "v"]
+    cases = (_cases(tied, 4, names=v, counts=[8])
+             + _cases(untied, 4, names=[n for n in registry.names() if n not in v], counts=[8]))
+    _run(tp=2, pp=4, steps=1, cases=cases)
+
+
 # ---- grad sync of a tied weight borrowed by another chunk ----------------------------------------
 
 def _sync_job(rank, world_size, cases, steps):
