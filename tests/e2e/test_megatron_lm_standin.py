@@ -1,6 +1,7 @@
 """`python -m megatron_vshape.launch pretrain_gpt.py ... --pipeline-schedule NAME` against a stand-in for
 Megatron-LM's pretrain_gpt.py and megatron.training (same hook points, megatron-core only: CI has no
 Megatron-LM checkout).  The schedule must really run: losses equal the non-pipelined model's."""
+import os
 import subprocess
 import sys
 
@@ -131,3 +132,28 @@ def test_a_v_half_file_runs_as_read(reference, tmp_path, edit, shown):
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"megatron_vshape: pipeline schedule {shown} (from {path})" in run.stdout
     assert losses(run.stdout) == pytest.approx(reference, rel=1e-6, abs=1e-6)
+
+
+def _install_in(path, code="import megatron_vshape; megatron_vshape.install()"):
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": f"{path}:{REPO}"})
+
+
+def test_install_names_a_missing_dependency_with_the_install_command(tmp_path):
+    # A test double of a Megatron-LM whose megatron.training imports a package that is not installed
+    # (as core_v0.16.1's imports six without the [megatron-lm] extra).
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "__init__.py").write_text("import package_megatron_lm_needs_xyz\n")
+    run = _install_in(tmp_path)
+    assert run.returncode == 1
+    assert ("ConfigError: Megatron-LM's megatron.training needs the Python package package_megatron_lm_needs_xyz, "
+            "which is not installed: pip install .[megatron-lm]") in run.stderr, run.stderr[-2000:]
+
+
+def test_install_refuses_a_megatron_lm_release_it_does_not_support():
+    code = ("import megatron_vshape.runtime.compat as compat; compat.release = lambda: '0.21.0'\n"
+            "import megatron_vshape; megatron_vshape.install()")
+    run = _install_in(STANDIN.parent, code)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert "Megatron-LM with megatron-core 0.21.0" in last and "core_v0.16.0" in last and "main (d98e8a6" in last, last
