@@ -1,0 +1,95 @@
+"""install()'s wrappers for the hook points newer Megatron-LM releases moved or extended, in one process
+without a Megatron-LM checkout (CI has none; tests/e2e/test_megatron_lm_real.py runs them in real checkouts).
+The wrapped functions here are test doubles with the documented signatures of those releases."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_vshape.integration import megatron_lm
+from megatron_vshape.integration.args import PipelinePlan
+from megatron_vshape.schedule import registry
+from megatron_vshape.schedule.errors import ConfigError
+from megatron_vshape.schedule.ops import Costs
+
+
+def _plan(name="v-half", pp=2, m=4):
+    return PipelinePlan(name=name, schedule=registry.build(name, pp, m), pp=pp, data_parallel_size=1,
+                        num_microbatches=m, costs=Costs())
+
+
+@pytest.fixture
+def v_plan(monkeypatch):
+    plan = _plan()
+    monkeypatch.setattr(megatron_lm, "_plan", plan)
+    return plan
+
+
+def _executor(**kwargs):
+    return kwargs
+
+
+_executor.__name__ = "forward_backward_v-half"
+
+
+def test_schedule_pg_collection_of_core_v0_19_becomes_the_groups_of_calls_that_pass_none(v_plan):
+    class Groups:  # a ProcessGroupCollection: it has a pp group
+        pp = object()
+
+    groups = Groups()
+    fb = megatron_lm._with_schedule_groups(_executor, v_plan, {"schedule_pg_collection": groups})
+    assert fb.__name__ == "forward_backward_v-half"
+    assert fb(model=1)["pg_collection"] is groups
+    other = Groups()
+    assert fb(model=1, pg_collection=other)["pg_collection"] is other  # the call's own wins
+    assert megatron_lm._with_schedule_groups(_executor, v_plan, {}) is _executor
+
+
+def test_a_multi_module_collection_and_other_sizes_are_refused(v_plan):
+    class MultiModuleProcessGroupCollection:  # megatron-core's cross-grid collection: no single pp group
+        pass
+
+    with pytest.raises(ConfigError, match="multi-module MultiModuleProcessGroupCollection is not supported"):
+        megatron_lm._with_schedule_groups(_executor, v_plan,
+                                          {"schedule_pg_collection": MultiModuleProcessGroupCollection()})
+    with pytest.raises(ConfigError, match=r"get_forward_backward_func\(pp_size=4\) but --pipeline-schedule v-half "
+                                          r"runs pp_size=2"):
+        megatron_lm._with_schedule_groups(_executor, v_plan, {"pp_size": 4})
+    with pytest.raises(ConfigError, match="vp_size=2"):
+        megatron_lm._with_schedule_groups(_executor, v_plan, {"vp_size": 3})
+    assert megatron_lm._with_schedule_groups(_executor, v_plan, {"pp_size": 2, "vp_size": 2}) is _executor
+
+
+def test_the_wrapper_passes_the_keywords_each_release_takes(monkeypatch):
+    def core_v0_19(pp_size=None, vp_size=None, schedule_pg_collection=None):  # megatron-core's own, unhooked
+        return "megatron-core's"
+
+    monkeypatch.setattr(megatron_lm, "_plan", None)
+    wrapped = megatron_lm._get_forward_backward_func(core_v0_19)
+    assert wrapped(schedule_pg_collection=None) == "megatron-core's"
+    monkeypatch.setattr(megatron_lm, "_plan", _plan())
+    with pytest.raises(TypeError):  # a keyword this release does not take fails as it would unhooked
+        wrapped(new_keyword=1)
+
+
+def _batch_core_v0_19(batch, has_cu_seqlens, is_hybrid_cp, create_attention_mask_in_dataloader, broadcast_src_rank,
+                      broadcast_group, cp_size, tp_rank, micro_batch_size, seq_length, mtp_on_this_rank,
+                      pipeline_model_parallel_size=1, is_pipeline_first_stage=False, is_pipeline_last_stage=False):
+    return mtp_on_this_rank, batch, seq_length
+
+
+def _batch_core_v0_16(data_iterator, mtp_on_this_rank: bool = False):
+    return mtp_on_this_rank, data_iterator
+
+
+@pytest.mark.parametrize("rank,want", [(0, True), (1, False)])
+def test_v_rank_0_gets_every_field_with_either_signature(v_plan, monkeypatch, rank, want):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
+    new = megatron_lm._get_batch_on_this_tp_rank(_batch_core_v0_19)
+    got = new({"tokens": 1}, has_cu_seqlens=False, is_hybrid_cp=False, create_attention_mask_in_dataloader=False,
+              broadcast_src_rank=0, broadcast_group=None, cp_size=1, tp_rank=0, micro_batch_size=2, seq_length=16,
+              mtp_on_this_rank=False, pipeline_model_parallel_size=2, is_pipeline_first_stage=True)
+    assert got == (want, {"tokens": 1}, 16)
+    old = megatron_lm._get_batch_on_this_tp_rank(_batch_core_v0_16)
+    assert old("iterator") == (want, "iterator") and old("iterator", mtp_on_this_rank=False) == (want, "iterator")
