@@ -19,7 +19,7 @@ setup(
         # GPU clusters only: Transformer Engine and apex are imported lazily when present.
         "te": ["transformer-engine[pytorch]>=2.3"],
         # What Megatron-LM's megatron.training (core_v0.16.0 to main) imports beyond megatron-core, pinned as
-        # tested; triton because its initialize.py (and megatron-core's schedules from 0.19) import it.
+        # tested; triton because its initialize.py (and megatron-core's schedules from 0.18) import it.
         "megatron-lm": ["six==1.17.0", "regex==2024.11.6", "pyyaml==6.0.3", "pydantic==2.11.7", "triton==3.9.0"],
     },
     entry_points={"console_scripts": ["megatron-vshape=megatron_vshape.cli:main"]},
