@@ -50,7 +50,8 @@ def bind(iterators: list, shared: bool) -> list:
     in op order as megatron-core's own schedules read it: left unbound."""
     if shared and len(iterators) > 1:
         return iterators
-    return [None if it is None else ByMicrobatch(iter(it)) for it in iterators]
+    # next() only: Megatron-LM's RerunDataIterator, which train_step passes, has __next__ but no __iter__.
+    return [None if it is None else ByMicrobatch(it if hasattr(it, "__next__") else iter(it)) for it in iterators]
 
 
 def for_op(data, k: int) -> Optional[Iterator]:

@@ -93,3 +93,13 @@ def test_v_rank_0_gets_every_field_with_either_signature(v_plan, monkeypatch, ra
     assert got == (want, {"tokens": 1}, 16)
     old = megatron_lm._get_batch_on_this_tp_rank(_batch_core_v0_16)
     assert old("iterator") == (want, "iterator") and old("iterator", mtp_on_this_rank=False) == (want, "iterator")
+
+
+def test_the_executor_reads_megatron_lms_rerun_data_iterator():
+    """Megatron-LM's train_step passes megatron-core's RerunDataIterator (next() but no iter()), every tag."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_vshape.runtime.microbatch_data import bind, for_op
+
+    (data,) = bind([RerunDataIterator(iter(["mb0", "mb1"]))], shared=True)
+    assert next(for_op(data, 1)) == "mb1" and next(for_op(data, 0)) == "mb0"
