@@ -369,9 +369,8 @@ def fp16_loss_scale() -> Tuple[str, str]:
     optimizer divides out again: its grad norm equals the unscaled one (off by the scale if unwired)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel.schedules import backward_step
-
     from megatron_vshape.integration.train import use_megatron_optimizer
+    from megatron_vshape.runtime.compat import backward_step  # megatron-core's, on every tested release
 
     seq, vocab, scale_wanted = 256, 1024, 2.0 ** 12
     model, config = _gpt(True, "fp16", 512, 2, seq, vocab)
