@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Callable, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from megatron.core import parallel_state
@@ -31,6 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.module import Float16Module, float16_to_fp32
 
+from ..schedule import layout
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
 
@@ -41,10 +42,10 @@ except ImportError:  # pragma: no cover - depends on the megatron-core release
 
 
 class VShapeLayerLayout(PipelineParallelLayerLayout or object):
-    """megatron-core layer layout for the V placement: `layers_per_stage` decoder layers per stage,
-    embedding in stage 0, loss in stage 2p-1, stages ordered along the V."""
+    """megatron-core layer layout for the V placement: `layers[s]` decoder layers on stage s (default
+    an even split), embedding in stage 0, loss in stage 2p-1, stages ordered along the V."""
 
-    def __init__(self, pp: int, num_layers: int):
+    def __init__(self, pp: int, num_layers: int, layers: Optional[Sequence[int]] = None):
         if PipelineParallelLayerLayout is None:
             from megatron.core.package_info import __version__
 
@@ -53,16 +54,9 @@ class VShapeLayerLayout(PipelineParallelLayerLayout or object):
         self.placement = Placement("v", pp, 2)
         self.pipeline_model_parallel_size = pp
         self.virtual_pipeline_model_parallel_size = 2
-        per_stage = num_layers // (2 * pp)
-        self.input_data = f"v-shape(pp={pp}, layers_per_stage={per_stage})"
-        by_stage = []
-        for stage in range(2 * pp):
-            types = [LayerType.decoder] * per_stage
-            if stage == 0:
-                types.insert(0, LayerType.embedding)
-            if stage == 2 * pp - 1:
-                types.append(LayerType.loss)
-            by_stage.append(types)
+        self.stage_layers = tuple(layers) if layers is not None else layout.even(num_layers, 2 * pp)
+        self.input_data = f"v-shape(pp={pp}, layers per stage {','.join(map(str, self.stage_layers))})"
+        by_stage = _types_by_stage(self.stage_layers)
         self.layout = [[by_stage[s] for s in self.placement.stages_of(r)] for r in range(pp)]
         self.flatten_layout = [t for types in by_stage for t in types]
         self._by_stage = by_stage
@@ -72,6 +66,42 @@ class VShapeLayerLayout(PipelineParallelLayerLayout or object):
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         stage = self.placement.stage_of(pp_rank, vp_stage or 0)
         return sum(types.count(layer_type) for types in self._by_stage[:stage])
+
+
+def _types_by_stage(stage_layers: Sequence[int]) -> List[list]:
+    """megatron-core layer types per stage: the decoder layers, the embedding first, the loss last."""
+    last = len(stage_layers) - 1
+    return [[LayerType.embedding] * (s == 0) + [LayerType.decoder] * n + [LayerType.loss] * (s == last)
+            for s, n in enumerate(stage_layers)]
+
+
+_SPLIT_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def stage_layers_of(config, placement: Placement) -> Optional[layout.Layout]:
+    """Layers per stage (model order) that `config` asks for on this placement; None where
+    megatron-core's own arithmetic numbers the layers (single and loop placements with layers
+    that split evenly or Megatron's split settings).  On the V, Megatron's settings keep their
+    meaning (first = stage 0, last = stage 2p-1, both on rank 0; a layout's stages in model order)."""
+    given = config.pipeline_model_parallel_layout
+    if isinstance(given, VShapeLayerLayout):
+        return given.stage_layers
+    stages, pp = placement.num_stages, placement.pp
+    if given is not None and PipelineParallelLayerLayout is not None and isinstance(given, PipelineParallelLayerLayout):
+        if placement.kind != "v":
+            return None
+        per_rank = given.layout  # [pp rank][virtual stage]; stage i of its list is (i % pp, i // pp)
+        if len(per_rank) * len(per_rank[0]) != stages:
+            raise ConfigError(f"pipeline_model_parallel_layout has {len(per_rank) * len(per_rank[0])} stages; the V "
+                              f"at pp={pp} has {stages}: give {stages} stages in model order")
+        return tuple(per_rank[i % pp][i // pp].count(LayerType.decoder) for i in range(stages))
+    split = [getattr(config, f) for f in _SPLIT_FIELDS]
+    if placement.kind == "v" and any(split):
+        return layout.megatron_split(config.num_layers, placement, *split)
+    if placement.kind != "v" and (any(split) or config.num_layers % stages == 0):
+        return None
+    return layout.even(config.num_layers, stages)
 
 
 def embedding_ranks_for(placement: Placement) -> Callable[[List[int]], List[int]]:
@@ -87,13 +117,8 @@ def embedding_ranks_for(placement: Placement) -> Callable[[List[int]], List[int]
 
 def check_model_config(config, placement: Placement) -> None:
     """Raise ConfigError for a model config this placement cannot build."""
-    stages = placement.num_stages
     if placement.chunks > 1 and placement.pp < 2:
         raise ConfigError(f"placement {placement.kind!r} with {placement.chunks} chunks needs pp >= 2, got pp={placement.pp}")
-    if config.num_layers % stages:
-        fix = (config.num_layers // stages + 1) * stages
-        what = f"2*pp={stages}" if placement.kind == "v" else f"{stages} stages (pp={placement.pp} x {placement.chunks} chunks)"
-        raise ConfigError(f"num_layers={config.num_layers} is not divisible by {what}; use {fix}")
     if getattr(config, "mtp_num_layers", None):
         raise ConfigError(
             f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported with "
@@ -104,20 +129,6 @@ def check_model_config(config, placement: Placement) -> None:
             f"config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} but the "
             f"schedule has pp={placement.pp}; set them equal"
         )
-    if placement.kind == "v":
-        conflicts = {
-            "pipeline_model_parallel_layout": config.pipeline_model_parallel_layout,
-            "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage,
-            "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage,
-            "account_for_embedding_in_pipeline_split": config.account_for_embedding_in_pipeline_split or None,
-            "account_for_loss_in_pipeline_split": config.account_for_loss_in_pipeline_split or None,
-        }
-        set_ = {k: v for k, v in conflicts.items() if v is not None and not isinstance(v, VShapeLayerLayout)}
-        if set_:
-            raise ConfigError(
-                f"the V placement fixes the layer layout itself (num_layers/(2*pp) layers per stage); "
-                f"unset {', '.join(f'{k}={v}' for k, v in set_.items())}"
-            )
     vp = config.virtual_pipeline_model_parallel_size
     want = placement.chunks if placement.chunks > 1 else None
     if vp is not None and vp != want:
@@ -146,13 +157,25 @@ def _check_parallel_state(placement: Placement, tied: bool) -> None:
             )
 
 
-def chunk_config(config, placement: Placement):
-    """A copy of `config` with the placement's pipeline settings; all chunks share it."""
+def chunk_config(config, placement: Placement, stage_layers: Optional[Sequence[int]] = None):
+    """A copy of `config` with the placement's pipeline settings; all chunks share it.
+    `stage_layers`: layers per stage in model order (default: what `config` asks for, see
+    `stage_layers_of`); uneven or not, every placement numbers its layers as the unpipelined model."""
     check_model_config(config, placement)
+    if stage_layers is None and placement.pp > 1:
+        stage_layers = stage_layers_of(config, placement)
+    if stage_layers is not None:
+        stage_layers = layout.check(stage_layers, config.num_layers, placement, "this schedule", "stage_layers")
     config = copy.copy(config)
     config.virtual_pipeline_model_parallel_size = placement.chunks if placement.chunks > 1 else None
-    if placement.kind == "v" and placement.pp > 1:
-        config.pipeline_model_parallel_layout = VShapeLayerLayout(placement.pp, config.num_layers)
+    if stage_layers is not None and placement.pp > 1:
+        for name in _SPLIT_FIELDS:  # the layout below says it all
+            setattr(config, name, False if name.startswith("account") else None)
+        if placement.kind == "v":
+            config.pipeline_model_parallel_layout = VShapeLayerLayout(placement.pp, config.num_layers, stage_layers)
+        else:  # megatron-core's own layout: its stage i sits on rank i % pp, chunk i // pp, as ours
+            config.pipeline_model_parallel_layout = PipelineParallelLayerLayout(_types_by_stage(stage_layers),
+                                                                                placement.pp)
     return config
 
 
@@ -170,6 +193,7 @@ def build_model_chunks(
     position_embedding_type: str = "learned_absolute",
     pp_rank: Optional[int] = None,
     split_backward: bool = False,
+    stage_layers: Optional[Sequence[int]] = None,
     **gpt_kwargs,
 ) -> List[GPTModel]:
     """Build this pipeline rank's GPTModel chunks, indexed by chunk.
@@ -177,6 +201,7 @@ def build_model_chunks(
     Chunk c holds global stage `placement.stages_of(pp_rank)[c]`: pre_process on stage 0,
     post_process (final norm, output layer, loss) on the last stage.  `transformer_layer_spec` is
     a layer/block spec, or a callable `(config, vp_stage) -> spec` (default: the CPU test spec).
+    `stage_layers`: layers per stage in model order (see `chunk_config`).
     megatron parallel_state must be initialised for this placement (see `embedding_ranks_for`).
     `split_backward`: the chunks will run a schedule with W ops, so Transformer Engine layers defer
     their weight gradients to it (see `runtime.wgrad.defer_te_wgrad`; wrap the chunks in megatron-core's
@@ -184,7 +209,7 @@ def build_model_chunks(
     """
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    config = chunk_config(config, placement)
+    config = chunk_config(config, placement, stage_layers)
     if split_backward:
         from .wgrad import defer_te_wgrad
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,8 @@ class TinyGPT:
     tied_embeddings: bool = False
     position_embedding_type: str = "learned_absolute"  # or "rope"
     seed: int = 1234
+    # Layers per stage in model order, for a placement with that many stages (default: even).
+    pipeline_layout: Optional[Tuple[int, ...]] = None
 
     def transformer_config(self, tp: int = 1, pp: int = 1, **overrides):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -75,6 +77,7 @@ def build_chunks(tiny: TinyGPT, placement: Placement, tp: int = 1, **config_over
         config, placement, vocab_size=tiny.vocab_size, max_sequence_length=tiny.seq_length,
         share_embeddings_and_output_weights=tiny.tied_embeddings,
         position_embedding_type=tiny.position_embedding_type,
+        stage_layers=tiny.pipeline_layout if placement.pp > 1 else None,
     )
     load_weights(chunks, tiny.seed)
     device = rank_device()

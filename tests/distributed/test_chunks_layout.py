@@ -44,9 +44,41 @@ def test_loop_offsets_are_megatron_interleaved_ones():
     assert offsets == {(0, 0): 0, (1, 0): 2, (0, 1): 4, (1, 1): 6}
 
 
-def test_loop_and_single_errors_name_the_stages():
+def test_any_layer_count_on_every_placement():
+    """Layers that do not divide: the remainder goes to the middle stages, numbered as unpipelined."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import LayerType
+
     tiny = TinyGPT(num_layers=6)
-    with pytest.raises(ConfigError, match=r"num_layers=6 is not divisible by 4 stages \(pp=2 x 2 chunks\); use 8"):
-        chunk_config(tiny.transformer_config(pp=2), Placement("loop", 2, 2))
+    for placement, want in ((Placement("loop", 2, 2), (1, 2, 2, 1)), (Placement("v", 2, 2), (1, 2, 2, 1)),
+                            (Placement("single", 4, 1), (1, 2, 2, 1))):
+        layout = chunk_config(tiny.transformer_config(pp=placement.pp), placement).pipeline_model_parallel_layout
+        # megatron-core's layout reads the virtual pipeline size from parallel_state
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(placement.chunks if placement.chunks > 1 else None)
+        for stage in range(placement.num_stages):
+            rank, chunk = placement.rank_of(stage), placement.chunk_of(stage)
+            vp = chunk if placement.chunks > 1 else None
+            assert layout.layout[rank][chunk].count(LayerType.decoder) == want[stage], placement
+            assert layout.get_layer_offset(LayerType.decoder, vp_stage=vp, pp_rank=rank) == sum(want[:stage]), placement
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+def test_megatron_split_flags_mean_the_v_ends():
+    """decoder_first/last on the V: stage 0 and stage 2p-1 (both rank 0); the rest spread evenly."""
+    config = TinyGPT(num_layers=12).transformer_config(pp=4, num_layers_in_first_pipeline_stage=1,
+                                                        num_layers_in_last_pipeline_stage=1)
+    v = chunk_config(config, Placement("v", 4, 2)).pipeline_model_parallel_layout
+    assert v.stage_layers == (1, 1, 2, 2, 2, 2, 1, 1)  # 10 over 6: the two extra in the middle
+    given = chunk_config(TinyGPT(num_layers=7).transformer_config(pp=2), Placement("v", 2, 2), (3, 1, 2, 1))
+    assert given.pipeline_model_parallel_layout.stage_layers == (3, 1, 2, 1)
+    assert given.num_layers_in_first_pipeline_stage is None
+
+
+def test_bad_layouts_and_placements():
+    tiny = TinyGPT(num_layers=6)
+    with pytest.raises(ConfigError, match=r"sums to 5 layers but --num-layers=6"):
+        chunk_config(tiny.transformer_config(pp=2), Placement("v", 2, 2), (1, 1, 2, 1))
+    with pytest.raises(ConfigError, match=r"stage 1 has no layers"):
+        chunk_config(tiny.transformer_config(pp=2), Placement("v", 2, 2), (3, 0, 2, 1))
     with pytest.raises(ConfigError, match="needs pp >= 2"):
         chunk_config(tiny.transformer_config(pp=1), Placement("v", 1, 2))

@@ -19,6 +19,7 @@ and its references (spawning dominates the cost on small CI machines).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -89,7 +90,7 @@ def _job(rank, world_size, tp, cases, steps, sanity):
                                   "eval_returned": len(res)})
 
     # One more reference step than trained: its losses (before the update) are what evaluation sees.
-    keys = list(dict.fromkeys((c[0], c[2]) for c in cases))
+    keys = list(dict.fromkeys(_ref_key(c[0], c[2]) for c in cases))
     init_parallel(tp, 1, SINGLE)
     refs = {}
     replica, replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -103,6 +104,11 @@ def _job(rank, world_size, tp, cases, steps, sanity):
         for tiny, m in keys[rank::world_size]:
             no_tp[(tiny, m)] = reference_run(tiny, m, steps=steps, optimizer=OPTIMIZER, initialise=False)
     return {"results": results, "refs": refs, "no_tp": no_tp}
+
+
+def _ref_key(tiny, m):
+    """The reference of a case: the unpipelined model does not depend on the layout."""
+    return dataclasses.replace(tiny, pipeline_layout=None), m
 
 
 def _step(run, step):
@@ -127,8 +133,9 @@ def _run(tp, pp, cases, steps, sanity=False):
     exact, worst, worst_no_tp = 0, {"loss": 0.0, "grad": 0.0, "eval": 0.0}, 0.0
     for case in cases:
         tiny, name, m, _ = case
-        ref, mine = refs[(tiny, m)], [job["results"][case] for job in jobs]
-        label = (name, f"pp={pp}", f"tp={tp}", f"m={m}", "tied" if tiny.tied_embeddings else "untied")
+        ref, mine = refs[_ref_key(tiny, m)], [job["results"][case] for job in jobs]
+        label = (name, f"pp={pp}", f"tp={tp}", f"m={m}", "tied" if tiny.tied_embeddings else "untied",
+                 f"layout={tiny.pipeline_layout}")
         bitwise, tol = True, 0.0 if _same_order_of_additions(tiny, m) else TOL
         for step in range(steps):
             diff = compare(_step(ref, step), [_step(r, step) for r in mine])
@@ -137,7 +144,7 @@ def _run(tp, pp, cases, steps, sanity=False):
             worst["loss"], worst["grad"] = max(worst["loss"], loss_rel), max(worst["grad"], diff["max_rel_grad_diff"])
             bitwise &= diff["max_abs_loss_diff"] == 0.0 and diff["max_abs_grad_diff"] == 0.0
             if sanity:
-                loose = compare(_step(no_tp[(tiny, m)], step), [_step(r, step) for r in mine])
+                loose = compare(_step(no_tp[_ref_key(tiny, m)], step), [_step(r, step) for r in mine])
                 assert loose["max_rel_grad_diff"] <= NO_TP_SANITY, (label, step, "against no TP", loose)
                 worst_no_tp = max(worst_no_tp, loose["max_rel_grad_diff"])
             if not bitwise:
@@ -167,6 +174,24 @@ def test_every_schedule_and_microbatch_count(pp):
     tied = TinyGPT(num_layers=2 * pp, seq_length=8, tied_embeddings=True)
     cases = _cases(untied, pp) + _cases(tied, pp, names=["v-zb", "v-half", "v-min"], counts=[1, 2 * pp + 1])
     _run(tp=1, pp=pp, steps=1, cases=cases)
+
+
+# Uneven stages, one layout per stage count (model order); sums differ from any even split.
+UNEVEN = {2: (3, 2), 3: (1, 3, 2), 4: (2, 1, 3, 1), 6: (0, 2, 1, 3, 2, 1)}
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_every_schedule_with_uneven_stages(pp):
+    """Every schedule on a layout that is neither even nor divisible (at pp=3 the V's and
+    interleaving's stage 0 holds the embedding alone), untied and tied, against the unpipelined model: the same exactness as even."""
+    cases = []
+    for tied in (False, True):
+        names = registry.names() if not tied else ["v-zb", "v-half", "v-min"]
+        for name, m, options in schedule_cases(pp, names, counts=[2 * pp + 1]):
+            layout = UNEVEN[registry.build(name, pp, m, **dict(options)).placement.num_stages]
+            tiny = TinyGPT(num_layers=sum(layout), seq_length=8, tied_embeddings=tied, pipeline_layout=layout)
+            cases.append((tiny, name, m, options))
+    _run(tp=1, pp=pp, steps=2, cases=cases)
 
 
 def test_tp2_pp2_several_optimizer_steps():
