@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..schedule import registry
 from ..schedule.choose import fastest_within
@@ -39,13 +39,6 @@ TE_SPLIT_HISTORY = (
     ((2, 8), "backward_dw() keeps a stale .grad and LayerNormMLP/GroupedLinear give DDP's hook no gradient "
              "on the fused path (fixed in 2.8; Megatron-LM requires 2.8 for delay_wgrad_compute with "
              "--overlap-grad-reduce)"),
-)
-LAYER_SPLIT_FLAGS = (
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
 )
 
 
@@ -72,6 +65,10 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "--pipeline-schedule auto the fastest schedule whose peak fits is chosen")
     g.add_argument("--pipeline-replan-after", type=int, default=None, metavar="N",
                    help="at iteration N, re-plan the schedule from the op times measured so far")
+    g.add_argument("--pipeline-layout", default=None, metavar="N0,N1,...",
+                   help="transformer layers of each stage in model order (the V's 2p stages: rank r holds stages r "
+                        "and 2p-1-r), e.g. 3,4,4,4,4,4,4,3; Megatron's E|t*4|...|t*3L syntax is read too "
+                        "(default: an even split, any remainder on the middle stages)")
     g.add_argument("--pipeline-p2p-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="seconds a pipeline receive may wait before an error naming the rank, op and peer")
     return parser
@@ -90,6 +87,7 @@ class PipelinePlan:
     options: dict = field(default_factory=dict)  # generator options (chunks, group)
     reason: Optional[str] = None  # why `auto` chose this schedule
     source: Optional[str] = None  # the --pipeline-schedule-file it was read from
+    stage_layers: Optional[Tuple[int, ...]] = None  # transformer layers per stage, model order
 
     @property
     def as_built(self) -> bool:
@@ -183,33 +181,14 @@ def _costs(args) -> Costs:
     return text if isinstance(text, Costs) else Costs.parse(text)
 
 
-def _check_layers(args, name: str, schedule: Schedule) -> None:
-    placement = schedule.placement
-    layers, stages = _get(args, "num_layers", 0), placement.num_stages
+def _check_layers(args, name: str, schedule: Schedule) -> Tuple[int, ...]:
+    """Layers per stage in model order (integration/layout.py), checked against --num-layers."""
+    from .layout import stage_layers
+
+    layers = _get(args, "num_layers", 0)
     if layers < 1:
         raise ConfigError(f"--num-layers={layers} must be >= 1")
-    split = {flag: getattr(args, attr) for attr, flag in LAYER_SPLIT_FLAGS if getattr(args, attr, None)}
-    if placement.kind == "v" and split:
-        raise ConfigError(
-            f"--pipeline-schedule {name} does not take {', '.join(f'{k}={v}' for k, v in split.items())}: "
-            f"the V fixes the layer layout itself (rank r holds stages r and {2 * placement.pp - 1}-r, "
-            f"num_layers/(2*pp) layers each, embedding and loss both on rank 0), and uneven V stages are not "
-            f"implemented; unset these flags")
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
-    if split and not getattr(args, "pipeline_model_parallel_layout", None):
-        rest, inner = layers - (first or 0) - (last or 0), stages - bool(first) - bool(last)
-        inner_layers = rest + bool(getattr(args, "account_for_embedding_in_pipeline_split", False)) \
-            + bool(getattr(args, "account_for_loss_in_pipeline_split", False))
-        if rest < 0 or (inner and inner_layers % inner) or (not inner and rest):
-            raise ConfigError(f"--num-layers={layers} with {', '.join(f'{k}={v}' for k, v in split.items())} leaves "
-                              f"{inner_layers} layers for {inner} middle stage(s) of {name}; they must divide evenly")
-        return
-    if not split and layers % stages:
-        what = f"2*pp={stages}" if placement.kind == "v" else \
-            f"the {stages} stages of {name}" if placement.chunks > 1 else f"pp={stages}"
-        raise ConfigError(f"--num-layers={layers} is not divisible by {what}; use "
-                          f"--num-layers={(layers // stages + 1) * stages}")
+    return stage_layers(args, name, schedule.placement)
 
 
 def _check_options_the_runtime_refuses(args, name: str, schedule: Schedule) -> None:
@@ -357,9 +336,9 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
                               f"(--micro-batch-size={_get(args, 'micro_batch_size', 1)} x data-parallel {dp}) = "
                               f"{m} microbatches); raise --global-batch-size or pick another schedule") from None
     _check_virtual_pipeline(args, name, schedule)
-    _check_layers(args, name, schedule)
+    stage_layers = _check_layers(args, name, schedule)
     _check_options_the_runtime_refuses(args, name, schedule)
-    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path)
+    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers)
 
 
 def _schedule_file(args, path: str, pp: int, m: int) -> Schedule:

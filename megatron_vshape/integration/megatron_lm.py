@@ -87,6 +87,7 @@ def _validate_args(orig):
     def validate_args(args, defaults={}):
         global _plan
         from .args import validate_pipeline_args
+        from .layout import megatron_layout_args
 
         plan = validate_pipeline_args(args)
         if plan is None:
@@ -97,7 +98,9 @@ def _validate_args(orig):
                               "chunks from Megatron-LM's flags; pass the model with flags instead")
         _check_megatron_lm_flags(args, plan)
         vp = plan.virtual_pipeline_model_parallel_size
-        if vp is not None and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is None:
+        megatron_layout_args(args, plan.stage_layers, plan.schedule.placement)  # uneven: as Megatron's layout
+        if vp is not None and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is None \
+                and getattr(args, "pipeline_model_parallel_layout", None) is None:
             # Megatron-LM derives its virtual pipeline size from this flag in validate_args.
             args.num_virtual_stages_per_pipeline_rank = vp
         if vp is not None and plan.pp == 2 and getattr(args, "overlap_p2p_comm", True) is False:
@@ -199,11 +202,14 @@ def _builds(plan, m: int) -> bool:
 
 
 def _announce(plan, args) -> None:
+    from ..schedule.layout import describe
+
     if getattr(args, "rank", 0) == 0:
         placement = plan.schedule.placement
         why = f" ({plan.reason})" if plan.reason else f" (from {plan.source})" if plan.source else ""
         print(f"megatron_vshape: pipeline schedule {plan.name}{why}: pp={plan.pp}, {placement.kind} placement, "
-              f"{placement.chunks} chunk(s) per rank, {plan.num_microbatches} microbatches", flush=True)
+              f"{placement.chunks} chunk(s) per rank, {plan.num_microbatches} microbatches"
+              + (f", layers per stage {describe(plan.stage_layers, placement)}" if plan.stage_layers else ""), flush=True)
 
 
 def _initialize_megatron(orig):
@@ -284,7 +290,7 @@ def _model_provider(provider: Callable, placement, te_split: bool):
             rank = parallel_state.get_pipeline_model_parallel_rank()
             stage = placement.stage_of(rank, vp_stage or 0)
             pre_process, post_process = stage == 0, stage == placement.num_stages - 1
-            config, pg_collection = chunk_config(config, placement), _without_embedding_group(pg_collection)
+            config, pg_collection = chunk_config(config, placement, _plan.stage_layers), _without_embedding_group(pg_collection)
         if te_split:
             from ..runtime.wgrad import defer_te_wgrad
 

@@ -44,6 +44,7 @@ from . import gpu_defaults, startup
 from .args import TE_MIN_FOR_SPLIT, _te_version, add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
+from .layout import given_split
 from .errors import report, say
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
@@ -191,14 +192,10 @@ def validate(args, world_size: Optional[int] = None):
     startup.check_numbers(args)  # each flag alone first: a cross-flag message never blames the wrong one
     if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None and not args.pipeline_schedule_file:
         args.pipeline_schedule = "1f1b"
-    split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                         "pipeline_model_parallel_layout") if getattr(args, f)]
-    plan = validate_pipeline_args(args)  # the V's refusal of the layer-split flags comes from here
-    if split:
-        raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in split)}: this driver builds equal "
-                          "stages (num_layers / stages each); uneven splits run through Megatron-LM's own "
-                          "pretrain_gpt.py with megatron_vshape.install() for the single and loop placements")
+    plan = validate_pipeline_args(args)  # layers per stage too (integration/layout.py)
+    if plan is None and given_split(args):
+        raise ConfigError(f"{', '.join(given_split(args))}: splits layers over pipeline stages; it needs "
+                          f"--pipeline-model-parallel-size >= 2 (got {args.pipeline_model_parallel_size}): unset it")
     args.data_parallel_size = plan.data_parallel_size if plan else _dp(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -292,7 +289,7 @@ def _layer_spec(args, device):
     return gpt_layer_specs.get_gpt_layer_local_spec()
 
 
-def build_model(args, placement, device, split_backward: bool = False):
+def build_model(args, placement, device, split_backward: bool = False, stage_layers=None):
     from ..runtime.chunks import build_model_chunks
     from ..runtime.init import init_by_name
 
@@ -302,7 +299,7 @@ def build_model(args, placement, device, split_backward: bool = False):
         max_sequence_length=args.max_position_embeddings or args.seq_length,
         transformer_layer_spec=_layer_spec(args, device),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
+        position_embedding_type=args.position_embedding_type, stage_layers=stage_layers,
         split_backward=split_backward)  # Transformer Engine layers defer their weight gradients to W
     init_by_name(chunks, args.seed, args.init_method_std, args.num_layers)
     if device.type == "cpu":
@@ -481,6 +478,14 @@ def model_flops(args, tokens: int) -> float:
 
 # ---- the run -------------------------------------------------------------------------------------
 
+def _layers_text(plan, placement, num_layers) -> str:
+    from ..schedule.layout import describe
+
+    if plan is None or plan.stage_layers is None:
+        return f"{num_layers // placement.num_stages} per stage"
+    return "per stage " + describe(plan.stage_layers, placement)
+
+
 def _print0(*a):
     import torch.distributed as dist
 
@@ -607,7 +612,7 @@ def run(args, plan) -> dict:
     name = plan.name if plan else "none"
     _print0(f"megatron-vshape pretrain: schedule {name} (placement {placement.kind}, {placement.chunks} chunk(s) per "
             f"rank) pp={pp} tp={tp} dp={dp} world={dist.get_world_size()} backend={dist.get_backend()} | "
-            f"{args.num_layers} layers ({args.num_layers // placement.num_stages} per stage), hidden {args.hidden_size}, "
+            f"{args.num_layers} layers ({_layers_text(plan, placement, args.num_layers)}), hidden {args.hidden_size}, "
             f"seq {args.seq_length}, vocab {padded_vocab_size(args)} (padded), tied embeddings: "
             f"{'no' if args.untie_embeddings_and_output_weights else 'yes'} | micro batch {args.micro_batch_size}, "
             f"global batch {args.global_batch_size}, {m} microbatches")
@@ -615,7 +620,8 @@ def run(args, plan) -> dict:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
     if plan and plan.source:
         _print0(f"  schedule read from --pipeline-schedule-file {plan.source} (verified)")
-    chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward))
+    chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward),
+                                 stage_layers=plan.stage_layers if plan else None)
     chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
     recorders = _Recorders()
     fb = forward_backward_func(args, plan, recorders, device)

@@ -92,8 +92,13 @@ def parse(text: str, flag: str = "--pipeline-layout") -> Layout:
     by '|', 't' a transformer layer, 'E' the embedding in the first stage, 'L' the loss in the last,
     `x*n` and `(..)*n` repeat); either way in model order."""
     text = str(text).strip()
-    if re.fullmatch(r"-?\d+(\s*,\s*-?\d+)*", text):
-        return tuple(int(v) for v in text.split(","))
+    if not set(text) & set("|EtL()*"):  # a list of counts
+        items = [v.strip() for v in text.split(",")]
+        bad = [v for v in items if not re.fullmatch(r"-?\d+", v)]
+        if bad:
+            raise ConfigError(f"{flag} {text}: {bad[0]!r} is not a layer count; give whole numbers like 3,4,4,3 "
+                              "(one per stage, model order)")
+        return tuple(int(v) for v in items)
     expanded = text.replace(",", "").replace(" ", "")
     for pattern in _REPEAT:
         while pattern.search(expanded):
@@ -111,10 +116,10 @@ def parse(text: str, flag: str = "--pipeline-layout") -> Layout:
 
 
 def check(layout: Sequence[int], num_layers: int, placement: Placement, name: str,
-          flag: str = "--pipeline-layout") -> Layout:
-    """`layout` as a tuple, or ConfigError naming the value and the fix."""
+          flag: str = "--pipeline-layout", text: Optional[str] = None) -> Layout:
+    """`layout` as a tuple, or ConfigError naming the value (`text` as the user gave it) and the fix."""
     layout = tuple(layout)
-    shown = ",".join(map(str, layout))
+    shown = text or ",".join(map(str, layout))
     S = placement.num_stages
     if len(layout) != S:
         per = {"v": "2 per rank, along the V", "loop": f"{placement.chunks} per rank"}.get(placement.kind, "one per rank")
@@ -137,3 +142,9 @@ def describe(layout: Sequence[int], placement: Placement) -> str:
     """'3,4,4,3 (layers per rank 6, 8)': the layout and what each rank holds."""
     per_rank = [sum(layout[s] for s in placement.stages_of(r)) for r in range(placement.pp)]
     return f"{','.join(map(str, layout))} (layers per rank {', '.join(map(str, per_rank))})"
+
+
+def to_megatron(layout: Sequence[int]) -> str:
+    """Megatron's layout syntax for these stages in model order: 'Et*3|t*4|t*3L'."""
+    last = len(layout) - 1
+    return "|".join("E" * (s == 0) + (f"t*{n}" if n else "") + "L" * (s == last) for s, n in enumerate(layout))

@@ -217,10 +217,11 @@ CASES = [
     (["--pipeline-schedule", "1f1b-interleaved", "--num-virtual-stages-per-pipeline-rank", "2"], "VP 2 1f1b-interleaved"),
     (["--pipeline-schedule", "zb-h1"], "VP None zb-h1"),
     ([], "VP None None"),
-    (["--pipeline-schedule", "v-half", "--num-layers", "6"],
-     "CONFIGERROR --num-layers=6 is not divisible by 2*pp=4; use --num-layers=8"),
-    (["--pipeline-schedule", "v-half", "--decoder-first-pipeline-num-layers", "2"],
-     "CONFIGERROR --pipeline-schedule v-half does not take --decoder-first-pipeline-num-layers=2"),
+    (["--pipeline-schedule", "v-half", "--pipeline-layout", "1,2,1"],
+     "CONFIGERROR --pipeline-layout 1,2,1 gives 3 stages; --pipeline-schedule v-half at pp=2 has 4"),
+    (["--pipeline-schedule", "v-half", "--decoder-first-pipeline-num-layers", "2"], "VP 2 v-half"),
+    (["--pipeline-schedule", "v-half", "--num-layers", "7", "--pipeline-layout", "3,1,2,1"], "VP 2 v-half"),
+    (["--pipeline-schedule", "1f1b", "--num-layers", "7"], "VP None 1f1b"),
     (["--pipeline-schedule", "v-min", "--num-virtual-stages-per-pipeline-rank", "3"],
      "CONFIGERROR --pipeline-schedule v-min holds 2 stage(s) per rank but the virtual pipeline size is 3"),
 ]
@@ -251,12 +252,11 @@ HARNESS_SHIM = Path(__file__).parent / "python312_shim"  # sitecustomize.py: SHI
 
 
 @pytest.mark.timeout(300)
-def test_real_pretrain_gpt_refuses_a_bad_layer_count_at_argument_time():
+def test_real_pretrain_gpt_refuses_a_bad_layout_at_argument_time():
     """The launcher with Megatron-LM's real pretrain_gpt.py: ConfigError from Megatron-LM's own parse step."""
     import torch
 
-    args = ARGS.copy()
-    args[1] = "6"
+    args = ARGS + ["--pipeline-layout", "1,2,1"]
     release, old_python = _checkout_release(), sys.version_info < (3, 12)
 
     def launch(*shim):
@@ -275,7 +275,7 @@ def test_real_pretrain_gpt_refuses_a_bad_layer_count_at_argument_time():
         assert run.returncode != 0 and "Megatron requires CUDA" in run.stderr, run.stderr[-2000:]
         pytest.skip("Megatron-LM's initialize_megatron asserts torch.cuda.is_available() before parsing arguments")
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "--num-layers=6 is not divisible by 2*pp=4" in run.stderr
+    assert "--pipeline-layout 1,2,1 gives 3 stages" in run.stderr
 
 
 def test_patch_applies_to_pretrain_gpt():

@@ -28,7 +28,8 @@ def test_v_half_tied_pp2_trains_like_the_unpipelined_model(reference):
     run = run_launcher(STANDIN, MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"],
                        nproc=2, timeout=200)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert "megatron_vshape: pipeline schedule v-half: pp=2, v placement, 2 chunk(s) per rank, 4 microbatches" in run.stdout
+    assert "megatron_vshape: pipeline schedule v-half: pp=2, v placement, 2 chunk(s) per rank, 4 microbatches, " \
+        "layers per stage 1,1,1,1 (layers per rank 2, 2)" in run.stdout
     assert "forward-backward function: forward_backward_v-half" in run.stdout
     got = losses(run.stdout)
     assert len(got) == ITERS, run.stdout[-3000:]
@@ -37,14 +38,28 @@ def test_v_half_tied_pp2_trains_like_the_unpipelined_model(reference):
     assert got == pytest.approx(reference, rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.timeout(240)
+def test_uneven_v_from_pipeline_layout_trains_like_the_unpipelined_model():
+    """--pipeline-layout on the V through Megatron-LM's hooks: the hook hands Megatron-LM the layout as its
+    own --pipeline-model-parallel-layout, and builds the V's chunks from it."""
+    tiny = TinyGPT(**{**TINY.__dict__, "num_layers": 5})
+    model = MODEL[:1] + ["5"] + MODEL[2:]
+    run = run_launcher(STANDIN, model + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-zb",
+                                         "--pipeline-layout", "2,1,1,1"], nproc=2, timeout=200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "layers per stage 2,1,1,1 (layers per rank 3, 2)" in run.stdout
+    assert losses(run.stdout) == pytest.approx(reference_losses(tiny, M, ITERS, LR), rel=1e-6, abs=1e-6)
+
+
 @pytest.mark.timeout(120)
-def test_layer_count_the_v_cannot_split_exits_2_before_any_process_group():
-    args = [a if a != "4" or i != 1 else "6" for i, a in enumerate(MODEL)]  # --num-layers 6
+def test_a_layout_the_v_cannot_take_exits_2_before_any_process_group():
+    args = MODEL + ["--pipeline-layout", "1,2,2"]
     # WORLD_SIZE=2 without torchrun and without MASTER_ADDR: creating a process group would fail differently.
     run = run_launcher(STANDIN, args + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-min"],
                        nproc=0, timeout=100, env={"RANK": "0", "WORLD_SIZE": "2"})
     assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
-    assert "megatron_vshape: error: --num-layers=6 is not divisible by 2*pp=4; use --num-layers=8" in run.stderr
+    assert "megatron_vshape: error: --pipeline-layout 1,2,2 gives 3 stages; --pipeline-schedule v-min at pp=2 has 4" \
+        in run.stderr
     assert "Traceback" not in run.stderr
 
 

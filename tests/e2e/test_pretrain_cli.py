@@ -73,12 +73,12 @@ def test_torchrun_on_indexed_data_with_a_config_file_and_an_overriding_flag(tmp_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "v-half", "--num-layers", "6"],
-     "--num-layers=6 is not divisible by 2*pp=8; use --num-layers=8"),
+    (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "v-half", "--num-layers", "6",
+      "--pipeline-layout", "1,1,1,1,1,1,1,1"], "--pipeline-layout 1,1,1,1,1,1,1,1 sums to 8 layers but --num-layers=6"),
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1f1b-interleaved", "--num-layers", "8",
       "--global-batch-size", "2"], "raise --global-batch-size"),
     (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "v-min", "--num-layers", "8",
-      "--decoder-first-pipeline-num-layers", "1"], "V fixes the layer layout"),
+      "--decoder-first-pipeline-num-layers", "9"], "leave -1 layers for 7 other stage(s)"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--fp16"], "--fp16 on CPU"),
     (["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--data-path", "x", "--mock-data"],
      "exactly one of --mock-data and --data-path"),

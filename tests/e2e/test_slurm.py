@@ -147,7 +147,7 @@ def test_a_dead_rank_fails_the_job_and_the_report(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--", "--num-layers", "6"], "--num-layers=6 is not divisible by 2*pp=8; use --num-layers=8"),
+    (["--", "--pipeline-layout", "1,2,1"], "--pipeline-layout 1,2,1 gives 3 stages;"),
     (["--", "--global-batch-size", "10", "--micro-batch-size", "4"],
      "--global-batch-size=10 is not divisible by --micro-batch-size=4 x data-parallel size 1; use --global-batch-size=12"),
     (["--nodes", "1"], "needs tp x pp x cp = 1x4x1 = 4 GPUs but the job has --nodes=1 x --gpus-per-node=2 = 2; "

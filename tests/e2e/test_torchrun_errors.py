@@ -14,8 +14,8 @@ PREFIX = "megatron-vshape pretrain: error: "
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("argv, message", [
-    (["--pipeline-schedule", "v-half", "--num-layers", "4"],
-     "--num-layers=4 is not divisible by 2*pp=6; use --num-layers=6"),  # found by validation
+    (["--pipeline-schedule", "v-half", "--num-layers", "4", "--pipeline-layout", "1,1,1,1"],
+     "--pipeline-layout 1,1,1,1 gives 4 stages; --pipeline-schedule v-half at pp=3 has 6"),  # found by validation
     (["--pipeline-schedule", "v-halff"], "--pipeline-schedule='v-halff' is not one of the choices"),  # by argparse
 ])
 def test_a_configuration_error_under_torchrun_is_one_line_and_the_root_cause(argv, message):

@@ -62,7 +62,7 @@ def test_a_crash_keeps_its_traceback_and_ends_with_one_line_naming_the_rank(torc
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_error_every_rank_finds_is_printed_by_rank_0_only(torchrun_rank, capsys, rank):
     path = torchrun_rank(rank)
-    assert train.main(ARGV + ["--num-layers", "6"]) == 2
+    assert train.main(ARGV + ["--pipeline-layout", "1,2,1"]) == 2
     err = capsys.readouterr().err
     assert (err.count("megatron-vshape pretrain: error: ") == 1) == (rank == 0), err
-    assert "--num-layers=6 is not divisible by 2*pp=4" in _root_cause(path)["message"]
+    assert "--pipeline-layout 1,2,1 gives 3 stages" in _root_cause(path)["message"]

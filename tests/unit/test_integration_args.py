@@ -46,18 +46,24 @@ def test_interleaved_takes_megatrons_virtual_pipeline_flags():
 
 
 @pytest.mark.parametrize("argv, sizes, words", [
-    (["--pipeline-schedule", "v-half"], dict(num_layers=6), ["--num-layers=6", "2*pp=8", "--num-layers=8"]),
-    (["--pipeline-schedule", "1f1b"], dict(num_layers=6), ["--num-layers=6", "pp=4", "--num-layers=8"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-layout", "1,2,1"], {},
+     ["--pipeline-layout 1,2,1 gives 3 stages", "v-half at pp=4 has 8", "give 8 counts in model order"]),
+    (["--pipeline-schedule", "1f1b", "--pipeline-layout", "2,2,2,1"], {},
+     ["--pipeline-layout 2,2,2,1 sums to 7 layers but --num-layers=8", "make them equal"]),
+    (["--pipeline-schedule", "v-zb", "--pipeline-layout", "2,-1,1,1,1,1,1,2"], {}, ["stage 1 has -1 layers", ">= 0"]),
+    (["--pipeline-schedule", "v-zb", "--pipeline-layout", "2,0,1,1,1,1,1,1"], {}, ["stage 1 has no layers"]),
+    (["--pipeline-schedule", "v-zb", "--pipeline-layout", "1,2,x"], {}, ["'x' is not a layer count", "whole numbers"]),
+    (["--pipeline-schedule", "v-zb", "--pipeline-layout", "1,1,1,1,1,1,1,1"], dict(decoder_first_pipeline_num_layers=1),
+     ["gives every stage's layers", "unset --decoder-first-pipeline-num-layers"]),
+    (["--pipeline-schedule", "v-half"], dict(decoder_first_pipeline_num_layers=1, account_for_loss_in_pipeline_split=True),
+     ["cannot be combined"]),
+    (["--pipeline-schedule", "v-half"], dict(decoder_first_pipeline_num_layers=9), ["leave -1 layers"]),
     (["--pipeline-schedule", "v-min"], dict(global_batch_size=6, micro_batch_size=4),
      ["--global-batch-size=6", "--global-batch-size=8"]),
     (["--pipeline-schedule", "1f1b-interleaved"], dict(global_batch_size=2),
      ["microbatches=2", "--global-batch-size=2", "raise --global-batch-size"]),
-    (["--pipeline-schedule", "v-zb"], dict(decoder_first_pipeline_num_layers=1),
-     ["--decoder-first-pipeline-num-layers=1", "V fixes the layer layout", "unset"]),
-    (["--pipeline-schedule", "v-half"], dict(account_for_loss_in_pipeline_split=True),
-     ["--account-for-loss-in-pipeline-split=True", "unset"]),
     (["--pipeline-schedule", "v-half"], dict(pipeline_model_parallel_layout="Et|t|tL"),
-     ["--pipeline-model-parallel-layout=Et|t|tL"]),
+     ["--pipeline-model-parallel-layout Et|t|tL gives 3 stages"]),
     (["--pipeline-schedule", "v-half"], dict(virtual_pipeline_model_parallel_size=4), ["virtual pipeline size is 4"]),
     (["--pipeline-schedule", "zb-h1"], dict(virtual_pipeline_model_parallel_size=2), ["1f1b-interleaved"]),
     (["--pipeline-schedule", "v-half"], dict(mtp_num_layers=1), ["--mtp-num-layers=1"]),
@@ -92,8 +98,26 @@ def test_non_v_layer_split_follows_megatrons_rule():
     plan = validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=8,
                                         decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=2))
     assert plan.name == "1f1b"
-    with pytest.raises(ConfigError, match="divide evenly"):
-        validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=9, decoder_first_pipeline_num_layers=2))
+    assert plan.stage_layers == (2, 2, 2, 2)
+    # What does not divide goes to the middle stages (Megatron itself would refuse it).
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "1f1b", num_layers=9, decoder_first_pipeline_num_layers=2))
+    assert plan.stage_layers == (2, 2, 3, 2)
+
+
+@pytest.mark.parametrize("argv, sizes, want", [
+    ([], dict(num_layers=30), (3, 4, 4, 4, 4, 4, 4, 3)),  # any layer count, remainder in the middle
+    (["--pipeline-layout", "3,4,4,4,4,4,4,3"], dict(num_layers=30), (3, 4, 4, 4, 4, 4, 4, 3)),
+    (["--pipeline-layout", "Et*3|(t*4|)*6t*3L"], dict(num_layers=30), (3, 4, 4, 4, 4, 4, 4, 3)),
+    ([], dict(num_layers=30, pipeline_model_parallel_layout="E|t*5|(t*4|)*5t*5L"), (0, 5, 4, 4, 4, 4, 4, 5)),
+    # Megatron's meaning on the V: first = stage 0, last = stage 2p-1, both on rank 0.
+    ([], dict(num_layers=32, decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=3),
+     (2, 4, 5, 5, 5, 4, 4, 3)),
+    ([], dict(num_layers=30, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+     (3, 4, 4, 4, 4, 4, 4, 3)),
+])
+def test_v_layouts_from_every_flag(argv, sizes, want):
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "v-half", *argv, **sizes))
+    assert plan.stage_layers == want
 
 
 def test_auto_picks_a_schedule_within_the_budget_and_says_why():

@@ -47,8 +47,16 @@ def validate_args(args, defaults={}):
     assert args.data_parallel_size == 1, "the stand-in runs one data-parallel rank"
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    # Megatron-LM derives the virtual pipeline size from these flags here.
-    if args.num_layers_per_virtual_pipeline_stage is not None:
+    # Megatron-LM derives the virtual pipeline size from these flags here (at most one of them).
+    given = [args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank,
+             args.pipeline_model_parallel_layout]
+    assert sum(v is not None for v in given) <= 1, "pass one of the virtual pipeline flags and the layout"
+    if args.pipeline_model_parallel_layout is not None:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
+        args.virtual_pipeline_model_parallel_size = stages // args.pipeline_model_parallel_size
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
         per_rank = args.num_layers // args.pipeline_model_parallel_size
         args.virtual_pipeline_model_parallel_size = per_rank // args.num_layers_per_virtual_pipeline_stage
     else:
@@ -75,6 +83,7 @@ def core_transformer_config_from_args(args):
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,

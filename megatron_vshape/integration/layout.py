@@ -1,0 +1,69 @@
+"""Layers per stage from the flags, decided before any process group (no torch).
+
+One of: `--pipeline-layout 3,4,4,3` (ours, model order; Megatron's `E|t*..|..L` syntax too),
+Megatron's `--pipeline-model-parallel-layout` (its stages in model order; the schedule's
+placement decides the ranks), Megatron's `--decoder-first/last-pipeline-num-layers` and
+`--account-for-embedding/loss-in-pipeline-split` (their Megatron meaning; on the V first = stage
+0, last = stage 2p-1, both on rank 0: see schedule/layout.py), or none: an even split of any
+layer count.  The result is `PipelinePlan.stage_layers`, which the driver and the Megatron-LM
+hook build their chunks from.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..schedule import layout
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Placement
+
+# (Megatron-LM attribute, flag) of the layer-split flags, ours first.
+SPLIT_FLAGS = (
+    ("pipeline_layout", "--pipeline-layout"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+)
+MEGATRON_SPLIT_ATTRS = tuple(attr for attr, _ in SPLIT_FLAGS[1:])
+
+
+def given_split(args) -> dict:
+    """{flag: value} of the layer-split flags set in `args`."""
+    return {flag: getattr(args, attr) for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)}
+
+
+def stage_layers(args, name: str, placement: Placement) -> layout.Layout:
+    """Layers per stage (model order) for schedule `name`; ConfigError naming the flag and the fix."""
+    num_layers = getattr(args, "num_layers", None) or 0
+    given = given_split(args)
+    for attr, flag in SPLIT_FLAGS[:2]:
+        text = getattr(args, attr, None)
+        if text is None:
+            continue
+        others = [f for f in given if f != flag]
+        if others:
+            raise ConfigError(f"{flag} {text} gives every stage's layers; unset {', '.join(others)}")
+        return layout.check(layout.parse(text, flag), num_layers, placement, name, flag, str(text))
+    first, last = (getattr(args, a, None) for a in MEGATRON_SPLIT_ATTRS[1:3])
+    embedding, loss = (bool(getattr(args, a, False)) for a in MEGATRON_SPLIT_ATTRS[3:])
+    if given:
+        stages = layout.megatron_split(num_layers, placement, first, last, embedding, loss)
+        return layout.check(stages, num_layers, placement, name, ", ".join(f"{k}={v}" for k, v in given.items()))
+    return layout.check(layout.even(num_layers, placement.num_stages), num_layers, placement, name, "--num-layers")
+
+
+def megatron_layout_args(args, stages: Optional[layout.Layout], placement: Placement) -> None:
+    """Hand Megatron-LM the layout as its own --pipeline-model-parallel-layout (stages in model order;
+    the hook places them along the V) when it differs from Megatron's even split or split flags were
+    given, clearing the split flags it replaces.  Megatron-LM then derives the virtual pipeline size
+    from it."""
+    if stages is None:
+        return
+    even = layout.even(sum(stages), placement.num_stages)
+    if tuple(stages) == even and sum(stages) % placement.num_stages == 0 and not given_split(args):
+        return
+    for attr in MEGATRON_SPLIT_ATTRS:
+        setattr(args, attr, False if attr.startswith("account") else None)
+    args.pipeline_layout = None
+    args.pipeline_model_parallel_layout = layout.to_megatron(stages)
