@@ -10,6 +10,7 @@ rank fails (never a hang: every launch has a time bound), 2 for a configuration 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=positive_int, default=None, help="microbatches per step (default 2*pp)")
     parser.add_argument("--num-layers", type=positive_int, default=None,
                         help="transformer layers (default: two per stage of the schedule's placement)")
+    parser.add_argument("--pipeline-layout", default=None, metavar="N0,N1,...",
+                        help="layers of each stage in model order (default: an even split, remainder in the middle)")
     parser.add_argument("--hidden-size", type=positive_int, default=32)
     parser.add_argument("--num-attention-heads", type=positive_int, default=4)
     parser.add_argument("--vocab-size", type=positive_int, default=64)
@@ -49,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _plan(args):
     """(schedule, tiny model, backend) for the arguments, or ConfigError naming the fix."""
-    from ..schedule import registry
+    from ..schedule import layout, registry
     from ..schedule.errors import ConfigError
     from ..testing.tiny_gpt import TinyGPT
     from .launch import default_backend
@@ -68,10 +71,11 @@ def _plan(args):
     m = 2 * args.pp if args.microbatches is None else args.microbatches
     schedule = registry.build(args.schedule, args.pp, m)
     stages = schedule.placement.num_stages
-    layers = 2 * stages if args.num_layers is None else args.num_layers
-    if layers % stages:
-        what = f"2*pp={stages}" if schedule.placement.kind == "v" else f"the {stages} stages of {args.schedule}"
-        raise ConfigError(f"--num-layers={layers} is not divisible by {what}; use {(layers // stages + 1) * stages}")
+    text = getattr(args, "pipeline_layout", None)
+    stage_layers = layout.parse(text) if text else None
+    layers = args.num_layers or (sum(stage_layers) if stage_layers else 2 * stages)
+    layout.check(stage_layers or layout.even(layers, stages), layers, schedule.placement, args.schedule,
+                 "--pipeline-layout" if text else "--num-layers", text)
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError(f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
                           f"{args.num_attention_heads}")
@@ -87,7 +91,7 @@ def _plan(args):
             raise ConfigError(f"--backend nccl needs {world} GPUs (pp*tp), found {torch.cuda.device_count()}")
     tiny = TinyGPT(num_layers=layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                    vocab_size=args.vocab_size, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                   tied_embeddings=args.tied_embeddings, seed=args.seed)
+                   tied_embeddings=args.tied_embeddings, seed=args.seed, pipeline_layout=stage_layers)
     return schedule, tiny, backend
 
 
@@ -173,8 +177,9 @@ def _pipeline_rank(rank, world_size, tiny, name, pp, tp, m, steps, lr, timeout):
     from ..testing.tiny_gpt import portable
 
     result = run_schedule(tiny, name, pp, tp, m, steps, lr, timeout, collect=True)
-    # 1F1B on the same model, one step: the memory baseline.
-    baseline = run_schedule(tiny, BASELINE, pp, tp, m, 1, 0.0, timeout, collect=False)
+    # 1F1B on the same model (its own even split: a layout names the schedule's stages), one step: the memory baseline.
+    baseline = run_schedule(dataclasses.replace(tiny, pipeline_layout=None), BASELINE, pp, tp, m, 1, 0.0, timeout,
+                            collect=False)
     result["peak_bytes_1f1b"] = baseline["peak_bytes"]
     result["stage_bytes_1f1b"] = baseline["stage_bytes"]
     return portable(result)
@@ -214,10 +219,17 @@ def summarize(schedule, reference, results, tolerance) -> dict:
     return out
 
 
+def _layout_text(tiny, placement) -> str:
+    from ..schedule.layout import describe
+
+    return f" (per stage {describe(tiny.pipeline_layout, placement)})" if tiny.pipeline_layout else ""
+
+
 def _print_table(args, schedule, tiny, backend, s) -> None:
     p = schedule.placement
     print(f"megatron-vshape verify: {schedule.name} pp={p.pp} tp={args.tp} microbatches={schedule.microbatches} "
-          f"layers={tiny.num_layers} hidden={tiny.hidden_size} tied={'yes' if tiny.tied_embeddings else 'no'} "
+          f"layers={tiny.num_layers}{_layout_text(tiny, p)} hidden={tiny.hidden_size} "
+          f"tied={'yes' if tiny.tied_embeddings else 'no'} "
           f"steps={args.steps} backend={backend}")
     print(f"  max |loss diff|      {s['max_abs_loss_diff']:.3e}   (per-microbatch losses vs. no pipelining)")
     print(f"  max |grad diff|      {s['max_abs_grad_diff']:.3e}")
@@ -258,7 +270,7 @@ def run(args) -> int:
     summary = summarize(schedule, reference, results, args.tolerance)
     if args.json:
         head = {"schedule": schedule.name, "pp": args.pp, "tp": args.tp, "microbatches": m,
-                "num_layers": tiny.num_layers, "hidden_size": tiny.hidden_size,
+                "num_layers": tiny.num_layers, "pipeline_layout": tiny.pipeline_layout, "hidden_size": tiny.hidden_size,
                 "tied_embeddings": tiny.tied_embeddings, "steps": args.steps, "backend": backend}
         print(json.dumps({**head, **summary}))
     else:

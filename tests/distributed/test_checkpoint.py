@@ -24,6 +24,7 @@ megatron-core checkpoints as a replica of the embedding) both ways: 1f1b -> v-zb
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -107,7 +108,8 @@ def _save(case, root):
     """Schedule A: K steps, save, N more steps (the uninterrupted run)."""
     from megatron_vshape.integration.checkpoint import save_checkpoint
 
-    tiny, a, tp, pp = case["tiny"], case["a"], case["tp_a"], case["pp_a"]
+    tiny, a, tp, pp = dataclasses.replace(case["tiny"], pipeline_layout=case["layout_a"]), case["a"], case["tp_a"], \
+        case["pp_a"]
     chunks = _setup(tiny, a, tp, pp, case["m"])
     opt, sched = _optimizer(chunks)
     before = _train(tiny, a, case["m"], chunks, opt, sched, range(K))
@@ -121,7 +123,8 @@ def _resume(case, root):
     """Schedule B: build from scratch, load, the same N steps."""
     from megatron_vshape.integration.checkpoint import load_checkpoint
 
-    tiny, b, tp, pp = case["tiny"], case["b"], case["tp_b"], case["pp_b"]
+    tiny, b, tp, pp = dataclasses.replace(case["tiny"], pipeline_layout=case["layout_b"]), case["b"], case["tp_b"], \
+        case["pp_b"]
     chunks = _setup(tiny, b, tp, pp, case["m"])
     opt, sched = _optimizer(chunks)
     iteration, extra = load_checkpoint(os.path.join(root, case["id"]), chunks, opt, sched)
@@ -164,8 +167,9 @@ def _errors(world_size, root, saved):
     return messages
 
 
-def _case(id_, tiny, a, b, pp_a=2, pp_b=2, tp_a=1, tp_b=1, m=M):
-    return {"id": id_, "tiny": tiny, "a": a, "b": b, "pp_a": pp_a, "pp_b": pp_b, "tp_a": tp_a, "tp_b": tp_b, "m": m}
+def _case(id_, tiny, a, b, pp_a=2, pp_b=2, tp_a=1, tp_b=1, m=M, layout_a=None, layout_b=None):
+    return {"id": id_, "tiny": tiny, "a": a, "b": b, "pp_a": pp_a, "pp_b": pp_b, "tp_a": tp_a, "tp_b": tp_b, "m": m,
+            "layout_a": layout_a, "layout_b": layout_b}
 
 
 def _merge(jobs):
@@ -188,8 +192,8 @@ def _rel(a, b):
 
 def _check(case, saved, resumed):
     tol = TP_TOL if case["tp_a"] != case["tp_b"] else 0.0
-    label = f"{case['a']} pp={case['pp_a']} tp={case['tp_a']} -> {case['b']} pp={case['pp_b']} tp={case['tp_b']}" + (
-        " tied" if case["tiny"].tied_embeddings else "")
+    label = (f"{case['a']} pp={case['pp_a']} tp={case['tp_a']} layout={case['layout_a']} -> {case['b']} "
+             f"pp={case['pp_b']} tp={case['tp_b']} layout={case['layout_b']}" + (" tied" if case["tiny"].tied_embeddings else ""))
     s, r = saved[case["id"]], resumed[case["id"]]
     assert os.path.basename(s["path"]) == f"iter_{K:07d}", s["path"]
     assert r["lr"] == pytest.approx(ADAM.keywords["lr"] * 0.7 ** K), "scheduler state not restored"
@@ -257,3 +261,20 @@ def test_which_checkpoint_a_path_names(tmp_path):
     os.makedirs(done)
     open(os.path.join(done, "metadata.json"), "w").write("{}")
     assert find_checkpoint(str(tmp_path)) == done == find_checkpoint(done)
+
+
+# Uneven layouts: global layer numbers do not depend on the layout, so a checkpoint moves between them.
+LAYOUT_CASES = [_case("uneven_v_to_another", UNTIED, "v-zb", "v-half", layout_a=(3, 1, 2, 2), layout_b=(1, 3, 3, 1)),
+                _case("tied_uneven_v_to_uneven_1f1b", TIED, "v-half", "1f1b", m=1, layout_a=(2, 2, 3, 1),
+                      layout_b=(5, 3))]
+
+
+@pytest.mark.timeout(600)
+def test_resume_under_another_layout(tmp_path):
+    saved, resumed = {}, {}
+    for save in (True, False):
+        jobs = launch(_job, 2, (LAYOUT_CASES, str(tmp_path), save, False), timeout=290)
+        saved.update(_merge([job["saved"] for job in jobs]))
+        resumed.update(_merge([job["resumed"] for job in jobs]))
+    failed = [case["id"] for case in LAYOUT_CASES if not _check(case, saved, resumed)]
+    assert not failed, failed

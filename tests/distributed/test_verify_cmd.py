@@ -19,7 +19,10 @@ def _args(*argv):
 
 @pytest.mark.parametrize("argv,message", [
     (["--schedule", "nope"], "unknown schedule 'nope'"),
-    (["--schedule", "v-half", "--pp", "4", "--num-layers", "30"], r"--num-layers=30 is not divisible by 2\*pp=8; use 32"),
+    (["--schedule", "v-half", "--pp", "4", "--pipeline-layout", "3,4,4"],
+     r"--pipeline-layout 3,4,4 gives 3 stages; --pipeline-schedule v-half at pp=4 has 8"),
+    (["--schedule", "v-half", "--pp", "2", "--num-layers", "6", "--pipeline-layout", "3,1,1,2"],
+     r"--pipeline-layout 3,1,1,2 sums to 7 layers but --num-layers=6"),
     (["--schedule", "1f1b", "--pp", "2", "--tp", "3"], "--num-attention-heads=4 is not divisible by --tp=3"),
     (["--schedule", "v-half", "--pp", "0"], "--pp: got 0; give a whole number >= 1"),  # refused while parsing
     (["--schedule", "v-half", "--steps", "0"], "--steps: got 0; give a whole number >= 1"),
@@ -54,6 +57,15 @@ def test_json_v_half_tied_two_steps(capsys):
     assert len(out["peak_activation_bytes"]) == 2 and len(out["peak_activation_bytes_1f1b"]) == 2
     assert all(b > 0 for b in out["peak_activation_bytes"] + out["peak_activation_bytes_1f1b"])
     assert (out["schedule"], out["pp"], out["tied_embeddings"], out["steps"]) == ("v-half", 2, True, 2)
+
+
+@pytest.mark.timeout(300)
+def test_json_uneven_v_zb_tied(capsys):
+    code = verify_cmd.run(_args("--schedule", "v-zb", "--pp", "2", "--pipeline-layout", "3,1,2,1", "--tied-embeddings",
+                                "--steps", "2", "--json"))
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["ok"], out
+    assert out["num_layers"] == 7 and out["pipeline_layout"] == [3, 1, 2, 1]
 
 
 MEMORY_SCHEDULES = ("v-half", "v-min", "v-zb", "1f1b")
