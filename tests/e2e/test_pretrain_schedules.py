@@ -47,6 +47,16 @@ def _cases(world_size):
     # Data parallelism: two pipelines of two ranks, gradients averaged over the replicas.
     cases.append(("v-half pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"]))
     cases.append(("1f1b pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]))
+    # Uneven stages: a layout flag, and Megatron's first/last flags on the V (stage 0 and stage 2p-1, on rank 0).
+    cases.append(("v-zb pp=2 dp=2 --pipeline-layout 3,1,2,2",
+                  FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-zb",
+                           "--pipeline-layout", "3,1,2,2"]))
+    cases.append(("v-half pp=4 first/last 0", FLAGS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                                                       "v-half", "--decoder-first-pipeline-num-layers", "0",
+                                                       "--decoder-last-pipeline-num-layers", "0"]))
+    cases.append(("1f1b pp=4 --pipeline-layout 1,3,3,1", FLAGS + ["--pipeline-model-parallel-size", "4",
+                                                                  "--pipeline-schedule", "1f1b",
+                                                                  "--pipeline-layout", "1,3,3,1"]))
     return cases
 
 
