@@ -69,6 +69,10 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="transformer layers of each stage in model order (the V's 2p stages: rank r holds stages r "
                         "and 2p-1-r), e.g. 3,4,4,4,4,4,4,3; Megatron's E|t*4|...|t*3L syntax is read too "
                         "(default: an even split, any remainder on the middle stages)")
+    g.add_argument("--pipeline-balance", choices=("even", "auto"), default="even",
+                   help="auto: size the stages from the model's shape (layers, hidden, FFN, sequence, vocabulary, "
+                        "tp; embedding, output layer and loss included) to minimise the simulated iteration time "
+                        "within --pipeline-memory-budget; prints the layout, bubble and peak next to the even split")
     g.add_argument("--pipeline-p2p-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="seconds a pipeline receive may wait before an error naming the rank, op and peer")
     return parser
@@ -88,11 +92,12 @@ class PipelinePlan:
     reason: Optional[str] = None  # why `auto` chose this schedule
     source: Optional[str] = None  # the --pipeline-schedule-file it was read from
     stage_layers: Optional[Tuple[int, ...]] = None  # transformer layers per stage, model order
+    balance: Optional[str] = None  # --pipeline-balance auto's report (its schedule was planned for the layout)
 
     @property
     def as_built(self) -> bool:
         """Whether the executor must run `schedule` itself (auto's choice, a file), not rebuild it by name."""
-        return self.reason is not None or self.source is not None
+        return self.reason is not None or self.source is not None or self.balance is not None
 
     @property
     def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
@@ -338,7 +343,12 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
     _check_virtual_pipeline(args, name, schedule)
     stage_layers = _check_layers(args, name, schedule)
     _check_options_the_runtime_refuses(args, name, schedule)
-    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers)
+    balanced = None
+    if getattr(args, "pipeline_balance", None) == "auto":
+        from .layout import balanced_layout
+
+        schedule, stage_layers, balanced = balanced_layout(args, name, pp, m, costs, options, path)
+    return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers, balanced)
 
 
 def _schedule_file(args, path: str, pp: int, m: int) -> Schedule:

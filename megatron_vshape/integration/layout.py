@@ -67,3 +67,36 @@ def megatron_layout_args(args, stages: Optional[layout.Layout], placement: Place
         setattr(args, attr, False if attr.startswith("account") else None)
     args.pipeline_layout = None
     args.pipeline_model_parallel_layout = layout.to_megatron(stages)
+
+
+def model_shape(args):
+    """The model's shape for the stage-cost estimate, from Megatron-LM's attribute names."""
+    from ..schedule.balance import ModelShape
+
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    missing = [f for f, v in (("--hidden-size", getattr(args, "hidden_size", None)),
+                              ("--seq-length", getattr(args, "seq_length", None)), ("--vocab-size", vocab)) if not v]
+    if missing:
+        raise ConfigError(f"--pipeline-balance auto estimates stage costs from the model's shape; give "
+                          f"{', '.join(missing)}")
+    return ModelShape(args.num_layers, args.hidden_size, args.seq_length, vocab,
+                      getattr(args, "ffn_hidden_size", None), getattr(args, "tensor_model_parallel_size", None) or 1)
+
+
+def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path: Optional[str]):
+    """(schedule, layers per stage, report) for --pipeline-balance auto: the layout whose estimated stage
+    costs simulate fastest within --pipeline-memory-budget (schedule/balance.py)."""
+    from ..schedule.balance import balance
+
+    given = given_split(args)
+    if given:
+        raise ConfigError(f"--pipeline-balance auto chooses every stage's layers; unset {', '.join(given)}")
+    if path is not None:
+        raise ConfigError(f"--pipeline-balance auto plans the schedule for the layout it picks; --pipeline-schedule-file "
+                          f"{path} holds its own order: pass --pipeline-schedule NAME instead")
+    budget = getattr(args, "pipeline_memory_budget", None)
+    if name == "v-auto":
+        options = {**options, "memory_budget": budget or 1.0}
+    result = balance(model_shape(args), name, pp, m, costs, budget, **options)
+    return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape):\n"
+                                            + result.summary())

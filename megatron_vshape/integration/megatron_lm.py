@@ -209,7 +209,8 @@ def _announce(plan, args) -> None:
         why = f" ({plan.reason})" if plan.reason else f" (from {plan.source})" if plan.source else ""
         print(f"megatron_vshape: pipeline schedule {plan.name}{why}: pp={plan.pp}, {placement.kind} placement, "
               f"{placement.chunks} chunk(s) per rank, {plan.num_microbatches} microbatches"
-              + (f", layers per stage {describe(plan.stage_layers, placement)}" if plan.stage_layers else ""), flush=True)
+              + (f", layers per stage {describe(plan.stage_layers, placement)}" if plan.stage_layers else "")
+              + (f"\n{plan.balance}" if plan.balance else ""), flush=True)
 
 
 def _initialize_megatron(orig):
@@ -362,7 +363,8 @@ def _executor(plan):
     from ..schedule import registry
 
     args = get_args()
-    named = plan.name in registry.names() and not plan.source  # a --pipeline-schedule-file runs as read
+    # a --pipeline-schedule-file runs as read; so does a schedule planned for --pipeline-balance auto's layout
+    named = plan.name in registry.names() and not plan.source and not plan.balance
     return get_forward_backward_func(plan.name if named else plan.schedule, plan.costs,
                                      p2p_timeout=getattr(args, "pipeline_p2p_timeout", None) or 300.0,
                                      schedule_options=plan.options if named else None)

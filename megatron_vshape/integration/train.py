@@ -618,6 +618,8 @@ def run(args, plan) -> dict:
             f"global batch {args.global_batch_size}, {m} microbatches")
     if plan and plan.reason:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
+    if plan and plan.balance:
+        _print0("  " + plan.balance.replace("\n", "\n  "))
     if plan and plan.source:
         _print0(f"  schedule read from --pipeline-schedule-file {plan.source} (verified)")
     chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward),
