@@ -58,6 +58,11 @@ def test_interleaved_takes_megatrons_virtual_pipeline_flags():
     (["--pipeline-schedule", "v-half"], dict(decoder_first_pipeline_num_layers=1, account_for_loss_in_pipeline_split=True),
      ["cannot be combined"]),
     (["--pipeline-schedule", "v-half"], dict(decoder_first_pipeline_num_layers=9), ["leave -1 layers"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-balance", "auto", "--pipeline-layout", "1,1,1,1,1,1,1,1"], {},
+     ["--pipeline-balance auto chooses every stage's layers", "unset --pipeline-layout"]),
+    (["--pipeline-schedule", "v-half", "--pipeline-balance", "auto"], {}, ["give --hidden-size, --seq-length, --vocab-size"]),
+    (["--pipeline-schedule", "1f1b", "--pipeline-balance", "auto", "--pipeline-memory-budget", "0.1"],
+     dict(hidden_size=1024, seq_length=1024, vocab_size=128000), ["fits --pipeline-memory-budget 0.1", "raise"]),
     (["--pipeline-schedule", "v-min"], dict(global_batch_size=6, micro_batch_size=4),
      ["--global-batch-size=6", "--global-batch-size=8"]),
     (["--pipeline-schedule", "1f1b-interleaved"], dict(global_batch_size=2),
@@ -130,3 +135,11 @@ def test_auto_picks_a_schedule_within_the_budget_and_says_why():
     assert max(__import__("megatron_vshape.schedule.simulate", fromlist=["x"]).simulate(plan.schedule).peak_vs_1f1b) <= 0.6 + 1e-9
     with pytest.raises(ConfigError, match="--pipeline-memory-budget"):
         validate_pipeline_args(_args("--pipeline-schedule", "auto"))
+
+
+def test_balance_auto_plans_the_layout_it_prints():
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-balance", "auto", num_layers=16,
+                                        hidden_size=1024, seq_length=1024, vocab_size=128000, global_batch_size=16))
+    assert sum(plan.stage_layers) == 16 and plan.stage_layers != (2,) * 8
+    assert plan.as_built and plan.schedule.stage_costs is not None  # the executor runs the order planned for it
+    assert "even 2,2,2,2,2,2,2,2" in plan.balance and f"balanced {','.join(map(str, plan.stage_layers))}" in plan.balance
