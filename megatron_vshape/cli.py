@@ -46,7 +46,25 @@ def _options(args: argparse.Namespace) -> Dict[str, object]:
         from .schedule.stage_costs import load
 
         options["stage_costs"] = load(args.stage_costs)
+    elif getattr(args, "model", None):  # the even split's stage costs, estimated from the model's shape
+        options["stage_costs"] = _model_stage_costs(args, registry.build(args.schedule, args.pp, args.microbatches,
+                                                                         **{k: v for k, v in options.items()}))
     return options
+
+
+def _model_shape(args):
+    from .integration.layout import shape_from_config
+
+    if getattr(args, "stage_costs", None):
+        raise ConfigError(f"--model {args.model} and --stage-costs {args.stage_costs}: pass one (the model's shape "
+                          "gives the stage costs)")
+    return shape_from_config(args.model, args.vocab_size)
+
+
+def _model_stage_costs(args, schedule: Schedule):
+    from .schedule.layout import even
+
+    return _model_shape(args).stage_costs(even(_model_shape(args).num_layers, schedule.num_stages), args.pp)
 
 
 def summary(schedule: Schedule, sim: SimResult) -> dict:
@@ -74,6 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .schedule.optimal import require_ortools
 
         require_ortools()  # before anything is built: one line naming the fix, exit 2
+    if args.model and not args.optimal:
+        return plan_balanced(args)
     schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
     if args.optimal:
         return plan_optimal(args, schedule)
@@ -245,9 +265,66 @@ def format_table(header: List[str], rows: List[List[str]]) -> str:
     return "\n".join(lines)
 
 
+def plan_balanced(args: argparse.Namespace) -> int:
+    """plan --model: the layout that simulates fastest for this schedule, next to the even split."""
+    from .schedule.balance import balance
+
+    options = {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
+    if args.schedule == "v-auto":
+        options["memory_budget"] = args.memory_budget if args.memory_budget is not None else 1.0
+    result = balance(_model_shape(args), args.schedule, args.pp, args.microbatches, _costs(args.costs),
+                     args.memory_budget, flag="--memory-budget", **options)
+    if args.export:
+        export_write(result.schedule, args.export, "json", result.sim)
+    if args.json:
+        out = summary(result.schedule, result.sim)
+        out.update({"layout": list(result.layout), "even_layout": list(result.even_layout),
+                    "even": {"makespan": result.even_sim.makespan, "bubble_rate": result.even_sim.bubble_rate,
+                             "peak_vs_1f1b": result.even_sim.peak_vs_1f1b}})
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{args.schedule} pp={args.pp} microbatches={args.microbatches}, stage costs estimated from {args.model}"
+          f" (layers per stage in model order; --pipeline-layout takes the balanced one):")
+    print(result.summary())
+    return 0
+
+
+def cmd_compare_model(args: argparse.Namespace) -> int:
+    """compare --model: every schedule's even split against its balanced layout, under the estimate."""
+    from .schedule.balance import compare_balanced
+
+    rows = compare_balanced(_model_shape(args), args.pp, args.microbatches, _costs(args.costs), args.memory_budget)
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "model": args.model, "rows": rows},
+                         indent=2))
+        return 0
+    base = next((r["even"]["makespan"] for r in rows if r["schedule"] == "1f1b" and "even" in r), None)
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["schedule"]] + ["-"] * 7 + ["cannot serve: " + r["error"]])
+            continue
+        e, b = r["even"], r["balanced"]
+        table.append([r["schedule"], _pct(e["bubble_rate"]), f"{e['peak_vs_1f1b']:.3g}",
+                      f"{e['makespan'] / base:.3f}" if base else "-",
+                      ",".join(map(str, r["layout"])) if r["layout"] != r["even_layout"] else "(even)",
+                      _pct(b["bubble_rate"]), f"{b['peak_vs_1f1b']:.3g}", f"{b['makespan'] / base:.3f}" if base else "-",
+                      f"{e['makespan'] / b['makespan'] - 1:+.1%}"])
+    shape = _model_shape(args)
+    print(f"pp={args.pp}  microbatches={args.microbatches}  model {args.model}: {shape.num_layers} layers, hidden "
+          f"{shape.hidden_size}, FFN {shape.ffn}, seq {shape.seq_length}, vocab {shape.vocab_size}, tp "
+          f"{shape.tensor_model_parallel_size}" + (f"  memory budget {args.memory_budget:g}" if args.memory_budget else ""))
+    print(format_table(["schedule", "even: bubble", "peak vs 1F1B", "time vs 1F1B", "balanced layout", "bubble",
+                        "peak vs 1F1B", "time vs 1F1B", "speed-up"], table))
+    print("time: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's even split")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     costs = _costs(args.costs)
     check_sizes("compare", args.pp, args.microbatches)  # what every schedule needs; else no row would serve
+    if args.model:
+        return cmd_compare_model(args)
     stage_costs = None
     if args.stage_costs:
         from .schedule.stage_costs import load
@@ -309,10 +386,16 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         from .schedule.stage_costs import load
 
         stage_costs = load(args.stage_costs)
+    elif args.model:  # the V's 2p stages of the even split, estimated; 1F1B's p stages merge pairs
+        from .schedule.layout import even
+
+        shape = _model_shape(args)
+        stage_costs = shape.stage_costs(even(shape.num_layers, 2 * args.pp), args.pp)
     points = frontier.frontier(args.pp, args.microbatches, costs, stage_costs)
     written = []
     c = costs
-    title = f"pp={args.pp} microbatches={args.microbatches} costs F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}"
+    title = f"pp={args.pp} microbatches={args.microbatches} costs F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}" + (
+        f", stage costs estimated from {args.model} (even split)" if args.model and not args.stage_costs else "")
     if args.picture:
         written = frontier.write(points, title, args.picture)
     if args.json:
@@ -395,6 +478,11 @@ def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
     p.add_argument("--costs", help="F,B,W[,C] for one rank's share of the model (default 1,1,1,0)")
     p.add_argument("--stage-costs", metavar="FILE.json",
                    help="per-stage F, B, W and activation size (unequal stages; see schedule/stage_costs.py)")
+    p.add_argument("--model", metavar="FILE.yaml",
+                   help="the model's shape from a driver config (configs/gpt/*.yaml: num-layers, hidden-size, "
+                        "seq-length, vocab-size, ...): stage costs estimated from it; plan and compare then also "
+                        "size the stages (the even split against the balanced layout)")
+    p.add_argument("--vocab-size", type=positive_int, metavar="N", help="with --model: this vocabulary instead")
     p.add_argument("--memory-budget", type=float, metavar="X",
                    help="activation memory as a fraction of 1F1B's (v-auto: from V-Min's ((p+4)//3)/p to 2.0)")
     if schedule:

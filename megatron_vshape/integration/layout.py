@@ -100,3 +100,36 @@ def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path
     result = balance(model_shape(args), name, pp, m, costs, budget, **options)
     return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape):\n"
                                             + result.summary())
+
+
+SHAPE_KEYS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "seq_length": "seq_length",
+              "vocab_size": "vocab_size", "ffn_hidden_size": "ffn_hidden_size",
+              "tensor_model_parallel_size": "tensor_model_parallel_size"}
+
+
+def shape_from_config(path: str, vocab_size: Optional[int] = None):
+    """The model's shape from a driver config (YAML of flag names, e.g. configs/gpt/gpt-6.7b.yaml); other
+    keys are ignored.  `vocab_size` overrides the file's."""
+    import yaml
+
+    from ..schedule.balance import ModelShape
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"--model {path}: {e.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--model {path}: not a YAML file of flag values ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--model {path}: expected a mapping of flag names to values (e.g. configs/gpt/*.yaml)")
+    values = {SHAPE_KEYS[k]: v for k, v in ((str(k).lstrip("-").replace("-", "_"), v) for k, v in data.items())
+              if k in SHAPE_KEYS}
+    if vocab_size:
+        values["vocab_size"] = vocab_size
+    missing = [k for k in ("num_layers", "hidden_size", "seq_length", "vocab_size") if k not in values]
+    if missing:
+        raise ConfigError(f"--model {path} has no {', '.join(k.replace('_', '-') for k in missing)}; give the model's "
+                          "shape (num-layers, hidden-size, seq-length, vocab-size; ffn-hidden-size and "
+                          "tensor-model-parallel-size optional)")
+    return ModelShape(**values)

@@ -229,3 +229,28 @@ def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Opt
                           f"the least peak found is {max(sim.peak_vs_1f1b):.3g} of 1F1B's (layout "
                           f"{','.join(map(str, best))}); raise {flag} or pick a schedule with less memory (v-min)")
     return Balanced(best, schedule, sim, even_layout, even_sim, len(seen) + len(built))
+
+
+def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optional[Costs] = None,
+                     memory_budget: Optional[float] = None, names: Optional[Sequence[str]] = None) -> List[dict]:
+    """For every schedule: the even split against the balanced layout, simulated under the estimate;
+    a schedule that cannot serve the sizes gives its reason."""
+    rows = []
+    for name in names or registry.names():
+        options = {}
+        if name == "v-auto":  # planned at a budget: only when one is given
+            if memory_budget is None:
+                continue
+            options["memory_budget"] = memory_budget
+        try:
+            b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget", **options)
+        except ConfigError as exc:
+            rows.append({"schedule": name, "error": str(exc).splitlines()[0]})
+            continue
+        rows.append({"schedule": name, "even_layout": list(b.even_layout), "layout": list(b.layout),
+                     "even": _figures(b.even_sim), "balanced": _figures(b.sim)})
+    return rows
+
+
+def _figures(sim: SimResult) -> dict:
+    return {"makespan": sim.makespan, "bubble_rate": sim.bubble_rate, "peak_vs_1f1b": max(sim.peak_vs_1f1b)}

@@ -86,3 +86,25 @@ def test_balance_respects_the_memory_budget_and_says_when_nothing_fits():
     assert capped.sim.makespan >= free.sim.makespan - 1e-9
     with pytest.raises(ConfigError, match=r"no layout of 16 layers fits --pipeline-memory-budget 0.1 .* raise"):
         balance(big, "1f1b", 4, 16, memory_budget=0.1)
+
+
+def test_cli_compare_and_plan_take_the_model_shape(capsys, tmp_path):
+    import json
+
+    from megatron_vshape.cli import main
+
+    assert main(["compare", "--pp", "4", "--microbatches", "8", "--model", "configs/gpt/gpt-1.3b.yaml",
+                 "--vocab-size", "128256", "--json"]) == 0
+    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert {"1f1b", "v-half", "v-zb", "v-min"} <= set(rows) and "v-auto" not in rows  # v-auto only with a budget
+    for r in rows.values():
+        assert sum(r["layout"]) == 24 and r["balanced"]["makespan"] <= r["even"]["makespan"] + 1e-9
+    assert rows["v-zb"]["layout"] != rows["v-zb"]["even_layout"]  # a 128k vocabulary: rank 0 sheds layers
+    assert main(["plan", "--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--model",
+                 "configs/gpt/gpt-1.3b.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "even 3,3,3,3,3,3,3,3" in out and "balanced" in out
+    bad = tmp_path / "m.yaml"
+    bad.write_text("num-layers: 8\nhidden-size: 64\n")
+    assert main(["compare", "--pp", "2", "--microbatches", "4", "--model", str(bad)]) == 2
+    assert "has no seq-length, vocab-size" in capsys.readouterr().err
