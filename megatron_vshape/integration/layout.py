@@ -80,7 +80,8 @@ def model_shape(args):
         raise ConfigError(f"--pipeline-balance auto estimates stage costs from the model's shape; give "
                           f"{', '.join(missing)}")
     return ModelShape(args.num_layers, args.hidden_size, args.seq_length, vocab,
-                      getattr(args, "ffn_hidden_size", None), getattr(args, "tensor_model_parallel_size", None) or 1)
+                      getattr(args, "ffn_hidden_size", None), getattr(args, "tensor_model_parallel_size", None) or 1,
+                      getattr(args, "micro_batch_size", None) or 1)
 
 
 def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path: Optional[str]):
@@ -104,7 +105,7 @@ def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path
 
 SHAPE_KEYS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "seq_length": "seq_length",
               "vocab_size": "vocab_size", "ffn_hidden_size": "ffn_hidden_size",
-              "tensor_model_parallel_size": "tensor_model_parallel_size"}
+              "tensor_model_parallel_size": "tensor_model_parallel_size", "micro_batch_size": "micro_batch_size"}
 
 
 def shape_from_config(path: str, vocab_size: Optional[int] = None):

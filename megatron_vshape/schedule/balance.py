@@ -10,8 +10,10 @@ The estimate (pure arithmetic, per token of one microbatch, divided by tensor pa
 * the output layer: one GEMM of 2hV FLOPs in each of F, B and W.  The loss (softmax cross-entropy
   over V logits, memory-bound): counted as LOSS_FLOPS_PER_VOCAB * V FLOP-equivalents in F and
   in B.  Activation: the fp32 logits kept for the loss's backward, 4V bytes.
-* the embedding: a lookup (F) and a scatter-add of its gradient (W), 2h each; its output is
-  the first layer's input, already counted there.
+* the embedding: a lookup (F, 2h) and its weight gradient (W): a scatter-add (2h) into a dense
+  V x h gradient that is cleared and accumulated once per microbatch, 2Vh / (s * micro batch) per
+  token (small on GPUs' long sequences, visible on small CPU runs).  Its output is the first
+  layer's input, already counted there.
 
 Stage s of a layout holds n_s layers plus the embedding (stage 0) and the output layer with the
 loss (last stage).  Times are in units of the F of one rank's share of plain layers (L/p, what
@@ -55,9 +57,11 @@ class ModelShape:
     vocab_size: int
     ffn_hidden_size: Optional[int] = None
     tensor_model_parallel_size: int = 1
+    micro_batch_size: int = 1
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "tensor_model_parallel_size"):
+        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "tensor_model_parallel_size",
+                     "micro_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be a whole number >= 1 for the "
@@ -81,7 +85,9 @@ class ModelShape:
         return gemm + loss, gemm + loss, gemm, 4.0 * v / tp
 
     def embedding(self) -> Tuple[float, float, float, float]:
-        return 2.0 * self.hidden_size, 0.0, 2.0 * self.hidden_size, 0.0
+        h, tokens = self.hidden_size, self.seq_length * self.micro_batch_size
+        dense_grad = 2.0 * self.vocab_size * h / tokens / self.tensor_model_parallel_size
+        return 2.0 * h, 0.0, 2.0 * h + dense_grad, 0.0
 
     def stage_costs(self, layout: Sequence[int], pp: int) -> Tuple[StageCost, ...]:
         """Estimated StageCost of every stage of `layout` (model order) at `pp` ranks: times in units

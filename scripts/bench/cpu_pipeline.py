@@ -50,16 +50,17 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _ours(tiny, name, pp, m, warmup, steps):
+def _ours(tiny, name, pp, m, warmup, steps, schedule=None):
+    """`name` by the registry, or `schedule` as built (e.g. planned for tiny.pipeline_layout)."""
     from megatron_vshape.runtime.executor import get_forward_backward_func
     from megatron_vshape.runtime.stats import Recorder
     from megatron_vshape.testing.tiny_gpt import build_chunks, data_iterators, forward_step, init_parallel
 
-    placement = registry.build(name, pp, m).placement
+    placement = (schedule or registry.build(name, pp, m)).placement
     init_parallel(1, pp, placement, seed=tiny.seed)
     chunks = build_chunks(tiny, placement)
     recorder = Recorder()
-    step_fn = get_forward_backward_func(name, stats=recorder)
+    step_fn = get_forward_backward_func(schedule or name, stats=recorder)
     # Each measured step keeps its own op times: a row must not mix one step's makespan with
     # another step's (or a median's) step time.
     times, ops = [], []
