@@ -291,7 +291,7 @@ def plan_balanced(args: argparse.Namespace) -> int:
 
 def cmd_compare_model(args: argparse.Namespace) -> int:
     """compare --model: every schedule's even split against its balanced layout, under the estimate."""
-    from .schedule.balance import compare_balanced
+    from .schedule.balance import compare_balanced, row_cells
 
     rows = compare_balanced(_model_shape(args), args.pp, args.microbatches, _costs(args.costs), args.memory_budget)
     if args.json:
@@ -304,12 +304,7 @@ def cmd_compare_model(args: argparse.Namespace) -> int:
         if "error" in r:
             table.append([r["schedule"]] + ["-"] * 7 + ["cannot serve: " + r["error"]])
             continue
-        e, b = r["even"], r["balanced"]
-        table.append([r["schedule"], _pct(e["bubble_rate"]), f"{e['peak_vs_1f1b']:.3g}",
-                      f"{e['makespan'] / base:.3f}" if base else "-",
-                      ",".join(map(str, r["layout"])) if r["layout"] != r["even_layout"] else "(even)",
-                      _pct(b["bubble_rate"]), f"{b['peak_vs_1f1b']:.3g}", f"{b['makespan'] / base:.3f}" if base else "-",
-                      f"{e['makespan'] / b['makespan'] - 1:+.1%}"])
+        table.append([r["schedule"]] + row_cells(r, base))
     shape = _model_shape(args)
     print(f"pp={args.pp}  microbatches={args.microbatches}  model {args.model}: {shape.num_layers} layers, hidden "
           f"{shape.hidden_size}, FFN {shape.ffn}, seq {shape.seq_length}, vocab {shape.vocab_size}, tp "

@@ -260,3 +260,15 @@ def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optio
 
 def _figures(sim: SimResult) -> dict:
     return {"makespan": sim.makespan, "bubble_rate": sim.bubble_rate, "peak_vs_1f1b": max(sim.peak_vs_1f1b)}
+
+
+def row_cells(row: dict, base: Optional[float]) -> List[str]:
+    """A compare_balanced row as table cells: even (bubble, peak, time vs `base`), balanced layout
+    (bubble, peak, time vs `base`), speed-up.  '(even)' when the layout is the even split (the order
+    may still be planned for the estimated costs, which the speed-up then shows)."""
+    e, b = row["even"], row["balanced"]
+    vs = (lambda t: f"{t / base:.3f}") if base else (lambda t: "-")  # noqa: E731
+    layout = ",".join(map(str, row["layout"])) if row["layout"] != row["even_layout"] else "(even)"
+    return [f"{e['bubble_rate']:.2%}", f"{e['peak_vs_1f1b']:.3g}", vs(e["makespan"]), layout,
+            f"{b['bubble_rate']:.2%}", f"{b['peak_vs_1f1b']:.3g}", vs(b["makespan"]),
+            f"{e['makespan'] / b['makespan'] - 1:+.1%}"]

@@ -21,7 +21,7 @@ TIMEOUT = 120  # seconds per command (a loaded 2-core machine): a README command
 SKIP = [
     (r"^make\b", "make targets create .venv or run the whole suite; this test runs inside that .venv"),
     (r"\btorchrun\b|megatron_vshape\.launch|megatron-vshape (verify|pretrain)\b|pretrain_gpt\.py"
-     r"|scripts/bench/(cpu_pipeline|sweep_cpu)\.py",
+     r"|scripts/bench/(cpu_pipeline|sweep_cpu|balanced_v)\.py",
      "starts training ranks (minutes on CPU); tests/distributed and tests/e2e run these paths"),
     (r"\b(sbatch|srun|salloc|squeue)\b|scripts/slurm/", "needs a SLURM cluster (tests/e2e covers the local one)"),
     (r"scripts/gpu_check\.py", "starts training ranks (a minute on CPU); tests/e2e/test_gpu_check.py runs it"),
