@@ -103,8 +103,12 @@ def main(argv=None) -> int:
         print(f"  {r:>4}  {a / 2**20:>8.2f} MiB  {b / 2**20:>8.2f} MiB  {a / max(theirs):>12.2f}")
     bubble = main_run.get("measured_bubble_rate")
     if bubble is not None:
+        shared = args.nproc > (os.cpu_count() or 1)
         print(f"measured bubble rate ({args.schedule}, median step): {100 * bubble:.1f}% vs {BASELINE} "
-              f"{100 * (base.get('measured_bubble_rate') or 0):.1f}% (CPU processes share 2 cores: times are noisy)")
+              f"{100 * (base.get('measured_bubble_rate') or 0):.1f}%"
+              + (f": NOT a speed comparison, {args.nproc} processes share {os.cpu_count()} cores (memory above is "
+                 "exact); for speed, where each rank has its own core: scripts/bench/cpu_pipeline.py --pp 2"
+                 if shared else ""))
     print(f"done in {time.perf_counter() - start:.0f} s")
     return 0
 

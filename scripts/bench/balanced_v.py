@@ -17,7 +17,6 @@ checks the estimate.  Timings on a shared CPU are noisy; nothing here is asserte
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import statistics
 import sys
@@ -27,7 +26,7 @@ from megatron_vshape.argtypes import Parser, check_output_paths, fail, output_pa
 
 quiet_megatron_notices()
 
-from cpu_pipeline import _measured, _ours, median_step  # noqa: E402  (same directory)
+from cpu_pipeline import _measured, _ours, median_step, write_csv  # noqa: E402  (same directory)
 from megatron_vshape.integration.launch import launch  # noqa: E402
 from megatron_vshape.schedule import registry  # noqa: E402
 from megatron_vshape.schedule.balance import ModelShape, balance  # noqa: E402
@@ -125,12 +124,7 @@ def main(argv=None) -> int:
         meas = r["stage_fbw"]
         print(f"  {r['case']:<17} measured " + " ".join(f"{x / meas[1]:.2f}" for x in meas)
               + "   estimated " + " ".join(f"{x / est[1]:.2f}" for x in est))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"\nwrote {args.csv}")
+    write_csv(rows, args.csv)
     return 0
 
 

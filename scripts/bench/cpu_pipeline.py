@@ -269,13 +269,19 @@ def main(argv=None) -> int:
                 print(f"skip {name} at pp={pp}, microbatches={m}: {e}", file=sys.stderr)
         rows += bench(pp, m, tiny, runnable, args.warmup, args.steps, args.timeout)
     print_table(rows, tiny)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"\nwrote {args.csv}")
+    write_csv(rows, args.csv)
     return 0
+
+
+def write_csv(rows, path) -> None:
+    """The rows as CSV at `path` (nothing when None), one column per key any row has."""
+    if not path:
+        return
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

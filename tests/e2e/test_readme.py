@@ -6,7 +6,12 @@ joined, comment lines dropped), run in order with bash in a scratch copy of the 
 user's shell after `make env`).  Each must exit 0.  New README sections are covered without
 touching this file; the only commands not run are those matching SKIP (slow or needing things
 this machine does not have, each with its reason) or PLACEHOLDER (not meant to run as printed).
+
+The deterministic figures the README quotes (losses, bytes, ratios) are compared with what the
+commands print today: the `verify` example's whole table, and the quickstart's losses and per-rank
+activation memory (the driver's own summary of the same runs).
 """
+import argparse
 import os
 import re
 import shutil
@@ -128,3 +133,62 @@ def test_readme_command_runs_as_printed(command, skip, scratch):
         pytest.fail(f"{command!r} ran past {TIMEOUT}s: make it quicker or add a SKIP rule with the reason")
     assert r.returncode == 0, f"{command}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr, r.stderr
+
+
+# ---- the figures the README quotes -------------------------------------------------------------
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def _block(starting: str) -> str:
+    """The ```text block of the README whose first line starts with `starting`."""
+    for m in re.finditer(r"```text\n(.*?)```", _readme(), re.S):
+        if m.group(1).startswith(starting):
+            return m.group(1)
+    raise AssertionError(f"README has no text block starting {starting!r}")
+
+
+@pytest.mark.timeout(400)
+def test_verify_example_is_what_verify_prints(capsys):
+    from megatron_vshape.integration import verify_cmd
+
+    quoted = _block("megatron-vshape verify: v-half pp=4")
+    args = verify_cmd.add_arguments(argparse.ArgumentParser()).parse_args(["--schedule", "v-half", "--pp", "4"])
+    assert verify_cmd.run(args) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed == [line for line in quoted.splitlines() if line.strip()]
+
+
+def _quickstart_runs(rank, world_size):
+    from megatron_vshape.argtypes import quiet_megatron_notices
+    from megatron_vshape.integration import train
+
+    quiet_megatron_notices()
+    config = os.path.join(ROOT, "configs", "tiny", "tiny-cpu.yaml")
+    out = {}
+    for name, argv in (("v-half", ["--pipeline-schedule", "v-half", "--train-iters", "30", "--log-interval", "30"]),
+                       ("1f1b", ["--pipeline-schedule", "1f1b", "--train-iters", "3", "--log-interval", "3",
+                                 "--lr-warmup-iters", "0"])):
+        args = train.parse_args(["--config", config] + argv)
+        out[name] = train.run(args, train.validate(args, world_size=world_size))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_quickstart_losses_and_memory_are_what_the_driver_prints():
+    from megatron_vshape.integration.launch import launch
+
+    quoted = _block("schedule picture: out/quickstart-v-half-pp4-m8.svg")
+    runs = launch(_quickstart_runs, 4, (), timeout=560)[0]
+    ours, base = runs["v-half"], runs["1f1b"]
+    losses = ours["losses"]
+    for it in (3, 30):
+        m = re.search(rf"iteration +{it}/ +30 \|.*lm loss: (\S+) \|.*peak activations MiB per pp rank: (\S+)", quoted)
+        assert m and m.group(1) == f"{losses[it - 1]:.6E}", (it, m and m.group(1), losses[it - 1])
+        assert m.group(2) == "/".join(f"{b / 2 ** 20:.2f}" for b in ours["peak_activation_bytes"])
+    assert f"loss (v-half): {ours['first_loss']:.3f} at iteration 1 -> {ours['final_loss']:.3f} at iteration 30" in quoted
+    for r, (a, b) in enumerate(zip(ours["peak_activation_bytes"], base["peak_activation_bytes"])):
+        row = f"{r:>4}  {a / 2**20:>8.2f} MiB  {b / 2**20:>8.2f} MiB  {a / max(base['peak_activation_bytes']):>12.2f}"
+        assert row in quoted, row
