@@ -44,8 +44,8 @@ from . import gpu_defaults, startup
 from .args import TE_MIN_FOR_SPLIT, _te_version, add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
-from .layout import given_split
 from .errors import report, say
+from .layout import given_split
 
 EXIT_CONFIG, EXIT_RUNTIME = 2, 1
 PROG = "megatron-vshape pretrain"

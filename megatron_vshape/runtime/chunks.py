@@ -8,7 +8,10 @@ whose offset for (pp_rank, vp_stage) is the layer count of all stages before the
 `placement.stage_of(pp_rank, vp_stage)` (chunk 1 of rank r holds stage 2p-1-r).  So layer
 numbers, and the keys of Megatron's sharded (checkpoint) state dict, equal the non-pipelined
 model's, and every megatron-core code path that asks for offsets agrees.  The interleaved (loop)
-placement uses megatron-core's own virtual-pipeline arithmetic unchanged.
+placement uses megatron-core's own virtual-pipeline arithmetic unchanged.  Stages need not be equal
+(`stage_layers`, schedule/layout.py): the V's layout takes any count per stage, and single/loop
+placements whose layers do not split as megatron-core's arithmetic would get megatron-core's own
+layout object built from the same counts (its stage i sits on rank i % p, chunk i // p, as ours).
 
 Inside megatron-core a V run needs virtual_pipeline_model_parallel_size=2 (in parallel_state and
 the config, so chunks pass vp_stage 0/1), and an embedding group holding only the first pipeline

@@ -208,16 +208,10 @@ def test_config_errors():
     from megatron_vshape.runtime.chunks import check_model_config
 
     v4 = Placement("v", 4, 2)
-    with pytest.raises(ConfigError, match=r"num_layers=30 is not divisible by 2\*pp=8; use 32"):
-        check_model_config(_config(), v4)
+    check_model_config(_config(), v4)  # 30 layers: any count, uneven stages (runtime/chunks.stage_layers_of)
     check_model_config(_config(num_layers=32), v4)
     with pytest.raises(ConfigError, match="multi-token prediction"):
         check_model_config(_config(num_layers=32, mtp_num_layers=1), v4)
-    with pytest.raises(ConfigError, match="num_layers_in_first_pipeline_stage=2"):
-        check_model_config(_config(num_layers=32, num_layers_in_first_pipeline_stage=2), v4)
-    with pytest.raises(ConfigError, match="pipeline_model_parallel_layout"):
-        layout = [["embedding"] + ["decoder"] * 4] + [["decoder"] * 4] * 6 + [["decoder"] * 4 + ["loss"]]
-        check_model_config(_config(num_layers=32, pipeline_model_parallel_layout=layout), v4)
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size=4 but the schedule has pp=2"):
         check_model_config(_config(num_layers=32), Placement("v", 2, 2))
     with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=4"):
