@@ -291,7 +291,8 @@ def _model_provider(provider: Callable, placement, te_split: bool):
             rank = parallel_state.get_pipeline_model_parallel_rank()
             stage = placement.stage_of(rank, vp_stage or 0)
             pre_process, post_process = stage == 0, stage == placement.num_stages - 1
-            config, pg_collection = chunk_config(config, placement, _plan.stage_layers), _without_embedding_group(pg_collection)
+            config = chunk_config(config, placement, _plan.stage_layers)
+            pg_collection = _without_embedding_group(pg_collection)
         if te_split:
             from ..runtime.wgrad import defer_te_wgrad
 
