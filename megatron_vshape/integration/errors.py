@@ -6,7 +6,7 @@ launch.  So:
 
 * an error every rank found alike (a configuration mistake, a diverged run) is printed by global
   rank 0 only; an error of one rank (a p2p timeout, a crash) by that rank, prefixed with it;
-* every failing rank also writes the line into torchrun's error file (TORCHELASTIC_ERROR_FILE),
+* the rank that prints the line also writes it into torchrun's error file (TORCHELASTIC_ERROR_FILE),
   which torchrun prints as the "Root Cause" in its closing block instead of "<N/A>".
 
 Exit codes are the driver's (2 configuration, 1 run-time); torchrun itself exits 1 whenever a
@@ -50,7 +50,10 @@ def say(line: str, *, shared: bool) -> None:
     rank = global_rank()
     if rank == 0 or not shared:
         print(line, file=sys.stderr, flush=True)
-    _error_file(line)
+        # torchrun names the failure with the earliest timestamp as the root cause; a copy of a
+        # shared error written by another rank could carry an earlier second than rank 0's and be
+        # named instead (its SIGTERM exit then shows), so only the rank that prints writes the file.
+        _error_file(line)
     if shared and rank != 0:
         # Let rank 0 say it first: torchrun ends every rank as soon as one exits, and a rank that
         # exited early would have rank 0 killed before its line is out.  Rank 0's exit ends this wait.
