@@ -14,7 +14,7 @@ setup(
         # 0.19.x asks for Python >= 3.12 in its metadata; its 3.11 wheel runs here (Makefile, .venv-mcore019).
         "runtime": ["torch>=2.4", "megatron-core>=0.16.0,<=0.20.0", "psutil"],
         "plots": ["matplotlib"],
-        # `megatron-vshape plan --optimal`: the exact reference (schedule/optimal.py, CP-SAT).
+        # `megatron-vshape plan --optimal`: the exact reference (planner/optimal.py, CP-SAT).
         "optimal": ["ortools==9.15.6755"],
         # GPU clusters only: Transformer Engine and apex are imported lazily when present.
         "te": ["transformer-engine[pytorch]>=2.3"],

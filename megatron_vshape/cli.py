@@ -23,7 +23,7 @@ from .schedule.export import to_dict as export_dict
 from .schedule.export import write as export_write
 from .schedule.ops import Costs, Schedule, check_sizes
 from .schedule.predictions import Prediction, predict
-from .schedule.search import lower_bound
+from .planner.search import lower_bound
 from .schedule.simulate import SimResult, simulate
 
 EXIT_IO_ERROR = EXIT_RUN_ERROR
@@ -89,7 +89,7 @@ def _pct(x: float) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.optimal:
-        from .schedule.optimal import require_ortools
+        from .planner.optimal import require_ortools
 
         require_ortools()  # before anything is built: one line naming the fix, exit 2
     if args.model and not args.optimal:
@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
     """`plan --optimal`: the exact reference for the schedule's placement, B/W split, costs and
     memory budget (the schedule's own, or its peak), with the generated schedule as the hint."""
-    from .schedule import optimal
+    from .planner import optimal
 
     if not args.time_limit > 0:
         raise ConfigError(f"--time-limit {args.time_limit:g}: give the solver's time in seconds, > 0 (e.g. 30)")
@@ -331,7 +331,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = compare_rows(args.pp, args.microbatches, costs, args.memory_budget, stage_costs)
     choice = None
     if args.memory_budget is not None:
-        from .schedule.choose import fastest_within
+        from .planner.choose import fastest_within
 
         best, reason = fastest_within(args.pp, args.microbatches, costs, args.memory_budget, stage_costs)
         choice = {"schedule": best.name, "reason": reason}
@@ -372,7 +372,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
-    from .schedule import frontier
+    from .planner import frontier
 
     check_sizes("frontier", args.pp, args.microbatches)
     costs = _costs(args.costs)

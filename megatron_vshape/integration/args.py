@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from ..schedule import registry
-from ..schedule.choose import fastest_within
+from ..planner.choose import fastest_within
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Dict, List, Optional, Sequence
 
-from . import baselines, search, vshape
+from ..planner import generators
+from . import baselines
 from .errors import ConfigError
 from .ops import Costs, Schedule, StageCost
 from .stage_costs import fit
@@ -25,10 +26,10 @@ GENERATORS: Dict[str, Generator] = {
     "1f1b-interleaved": baselines.interleaved_1f1b,
     "zb-h1": baselines.zb_h1,
     "zb-h2": baselines.zb_h2,
-    "v-min": vshape.v_min,
-    "v-half": vshape.v_half,
-    "v-zb": vshape.v_zb,
-    "v-auto": search.v_auto,
+    "v-min": generators.v_min,
+    "v-half": generators.v_half,
+    "v-zb": generators.v_zb,
+    "v-auto": generators.v_auto,
 }
 
 

@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .blocks import EPS, Block, Stuck, reorder
 from .errors import ConfigError
-from .ops import B, F, W, Costs, Op, Placement, Schedule, check_no_options, check_sizes
+from .ops import B, F, W, Costs, Op, Placement, Schedule
 from .simulate import one_f_one_b_peak
 
 
@@ -165,31 +165,6 @@ PLANS: Dict[str, List[Plan]] = {
     "v-zb": [("rounds", True, True), ("rounds", True, False)],
 }
 SAFE = Candidate(False, 1.0, 0, 0, 0, 0, "safe")
-
-
-def _generate(name: str, pp: int, microbatches: int, costs: Optional[Costs], per_1f1b: int, options: dict) -> Schedule:
-    stage_costs = options.pop("stage_costs", None)
-    check_no_options(name, options)
-    check_sizes(name, pp, microbatches)
-    memory_caps(name, pp, microbatches, per_1f1b)  # reject too few microbatches first, with this schedule's words
-    from .search import plan  # search keeps this module's constructions among its candidates
-
-    return plan(name, pp, microbatches, costs, per_1f1b / pp, stage_costs)
-
-
-def v_min(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
-    """V-Min: about 1/3 of 1F1B's activation memory ((p+4)//3 of p microbatches)."""
-    return _generate("v-min", pp, microbatches, costs, (pp + 4) // 3, dict(options, stage_costs=stage_costs))
-
-
-def v_half(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
-    """V-Half: about half of 1F1B's activation memory ((p+2)//2 of p microbatches)."""
-    return _generate("v-half", pp, microbatches, costs, (pp + 2) // 2, dict(options, stage_costs=stage_costs))
-
-
-def v_zb(pp: int, microbatches: int, costs: Costs = Costs(), stage_costs=None, **options) -> Schedule:
-    """V-ZB: 1F1B's activation memory, almost no bubble."""
-    return _generate("v-zb", pp, microbatches, costs, pp, dict(options, stage_costs=stage_costs))
 
 
 class _Rounds:

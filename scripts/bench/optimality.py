@@ -21,7 +21,8 @@ import sys
 import time
 
 from megatron_vshape.cli import format_table
-from megatron_vshape.schedule import optimal, registry, search
+from megatron_vshape.planner import optimal, search
+from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Costs, stage_table
 from megatron_vshape.schedule.simulate import simulate

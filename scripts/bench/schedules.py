@@ -82,7 +82,7 @@ def timing() -> None:
     """CPU time of one plan (build + verify) per V schedule, each in a fresh cache; CPU time is
     this process's own cost (on a shared machine the wall clock also counts other work).  The
     machine's speed is measured before and after, since a shared machine's speed drifts."""
-    from megatron_vshape.schedule import search
+    from megatron_vshape.planner import search
 
     before = machine_speed()
     print("\nplanning time (build + verify, CPU seconds, one core; wall in brackets), costs 2,2.2,1.6,0.05:")

@@ -212,4 +212,4 @@ def test_stuck_receive_names_rank_op_and_peer():
     with pytest.raises(LaunchError, match=r"rank 0 of 2 failed(.|\n)*P2PTimeout: rank 0: F0@3 waiting to receive "
                                           r"act0:2->3 from rank 1: nothing arrived within 2s "
                                           r"\(raise --pipeline-p2p-timeout"):  # the driver's flag
-        launch(_stuck_job, 2, timeout=25)
+        launch(_stuck_job, 2, timeout=240)  # the 2 s receive timeout runs once the ranks are ready

@@ -28,7 +28,7 @@ def test_budgets_step_one_stage_activation_from_v_min():
 def test_each_budget_plans_at_its_own_cap():
     """pp=3's budget for cap 5 is 5/6: rounded to 0.833333 it gave cap 4 (V-Half's) again, and
     the bench never tested cap 5."""
-    from megatron_vshape.schedule import search
+    from megatron_vshape.planner import search
 
     for pp, m in ((3, 6), (4, 8), (6, 7)):
         for budget, cap in _bench().budgets(pp, m):

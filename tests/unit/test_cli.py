@@ -10,11 +10,22 @@ import pytest
 from megatron_vshape.schedule import export, registry
 
 EXE = shutil.which("megatron-vshape", path=os.path.dirname(sys.executable)) or shutil.which("megatron-vshape")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
 
 
 def run(*args):
+    # The console script as installed, but importing this checkout's package (first on the
+    # path): an editable install may point at another checkout.
     assert EXE, "megatron-vshape is not installed (pip install -e .)"
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120, env=ENV)
+
+
+def test_the_script_runs_this_checkouts_package():
+    shebang = open(EXE).readline()[2:].strip()
+    out = subprocess.run([shebang, "-c", "import megatron_vshape; print(megatron_vshape.__file__)"],
+                         capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.stdout.strip().startswith(os.path.join(ROOT, "megatron_vshape")), out
 
 
 def test_plan_prints_the_figures_and_writes_files(tmp_path):

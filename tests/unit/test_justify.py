@@ -1,11 +1,13 @@
-"""Justification (schedule/justify.py): list scheduling a plan backward then forward never
+"""Justification (planner/justify.py): list scheduling a plan backward then forward never
 lengthens it, keeps every rank under the cap, and the random restarts around it reach what
 the local moves did not."""
 import pytest
 
-from megatron_vshape.schedule import justify, registry, search
+from megatron_vshape.planner import justify, search
+
+from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import Costs, StageCost, stage_table
-from megatron_vshape.schedule.problem import Problem
+from megatron_vshape.planner.problem import Problem
 from megatron_vshape.schedule.simulate import simulate
 from megatron_vshape.schedule.verify import verify
 
@@ -123,7 +125,7 @@ def test_kicked_restarts_continue_from_the_plain_ones_and_reach_the_delayed_shap
 
 # CP-SAT's best schedules in 100 s (hinted with the plan) at pp=4, budget 0.625 (5
 # stage-activations per rank), where the planner was furthest off before justify_search (2.70%
-# above them on average, 3.65% at most; docs/planner.md, "Where the search is weakest").
+# above them on average, 3.65% at most; docs/planner.md, "Against the exact reference").
 BEST_KNOWN = {(HOP, 9): 68.5, (HOP, 10): 75, (HOP, 11): 82, (HOP, 12): 88.5,
               (SKEWED, 9): 63.7, (SKEWED, 10): 70.2, (SKEWED, 11): 76.3, (SKEWED, 12): 82.9}
 

@@ -6,8 +6,11 @@ import random
 
 import pytest
 
-from megatron_vshape.schedule import listing, local, microbatch_order, problem, registry, search
+from megatron_vshape.planner import listing, local, problem, search
+
+from megatron_vshape.schedule import microbatch_order, registry
 from megatron_vshape.schedule.baselines import one_f_one_b
+from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import B, BW, W, Costs, Op, StageCost, stage_table
 from megatron_vshape.schedule.simulate import peak_activations, simulate
 from megatron_vshape.schedule.verify import verify
@@ -84,7 +87,7 @@ def test_every_registered_schedule_runs_microbatches_in_order(name):
     for pp, m in ((2, 4), (3, 7), (4, 8), (4, 12)):
         try:
             s = registry.build(name, pp, m, Costs(2, 2.2, 1.6, 0.05))
-        except ValueError:  # sizes this schedule refuses (ConfigError)
+        except ConfigError:  # sizes this schedule refuses, with the minimum in the message
             continue
         assert microbatch_order.problems(s.ranks) == [], f"{name} pp={pp} m={m}"
         assert microbatch_order.relabel(s.ranks) == s.ranks  # B/W and BW alike: nothing to relabel

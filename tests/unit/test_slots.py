@@ -1,10 +1,10 @@
-"""Blocks on a grid of unit slots (schedule/slots.py): the uniform-offset family, the steady
+"""Blocks on a grid of unit slots (planner/slots.py): the uniform-offset family, the steady
 peak, and the squeeze (spliced for long runs exactly as if squeezed at full length)."""
 import pytest
 
-from megatron_vshape.schedule import search, slots
+from megatron_vshape.planner import search, slots
 from megatron_vshape.schedule.ops import Costs, stage_table
-from megatron_vshape.schedule.problem import Problem
+from megatron_vshape.planner.problem import Problem
 from megatron_vshape.schedule.verify import verify
 
 SKEWED = Costs(2, 2.2, 1.6, 0.05)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from . import registry
-from .errors import ConfigError
-from .ops import Costs, Schedule, StageCost
+from ..schedule import registry
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Costs, Schedule, StageCost
+from ..schedule.simulate import simulate
 from .search import MAX_BUDGET, min_budget
-from .simulate import simulate
 
 
 def candidates(pp: int, microbatches: int, costs: Optional[Costs], memory_budget: float,

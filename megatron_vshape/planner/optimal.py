@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import microbatch_order
-from .comm import ACT, input_message, is_remote, local_predecessor
-from .errors import ConfigError
-from .ops import B, BW, F, W, Costs, Op, Placement, Schedule, StageCost, stage_table
-from .simulate import one_f_one_b_peak, simulate
-from .verify import verify
+from ..schedule import microbatch_order
+from ..schedule.comm import ACT, input_message, is_remote, local_predecessor
+from ..schedule.errors import ConfigError
+from ..schedule.ops import B, BW, F, W, Costs, Op, Placement, Schedule, StageCost, stage_table
+from ..schedule.simulate import one_f_one_b_peak, simulate
+from ..schedule.verify import verify
 
 INSTALL_HINT = "the exact reference needs OR-Tools: pip install 'megatron_vshape[optimal]' (ortools==9.15.6755)"
 MAX_SCALE = 10_000  # exact integer time units per cost unit at most; finer costs are rounded
@@ -111,6 +111,7 @@ class Result:
     scale: int  # integer time units per cost unit
     rounded: bool  # costs were rounded to 1/scale
     wall_s: float
+    work: float = 0.0  # the solver's deterministic time spent (machine-independent)
 
     @property
     def gap(self) -> Optional[float]:
@@ -153,8 +154,13 @@ def _inputs(op: Op, problem: Problem) -> List[Tuple[Op, bool]]:
 
 
 def solve(problem: Problem, time_limit: float = 10.0, hint: Optional[Schedule] = None,
-          workers: Optional[int] = None, seed: int = 0) -> Result:
+          workers: Optional[int] = None, seed: int = 0, work_limit: Optional[float] = None) -> Result:
     """Minimise the makespan of `problem` within `time_limit` seconds of solver time.
+
+    With `work_limit` the solver stops after that much of its deterministic time (a count of
+    its own work, the same on any machine) instead, on one worker unless `workers` says
+    otherwise (interleaved, so still deterministic): the same call gives the same answer on
+    a fast and a loaded machine, as tests need.  `time_limit` then only guards the wall.
 
     `hint` (a schedule of the same problem, e.g. today's generator) starts the search and,
     when it fits the cap, bounds the horizon.  A proven optimum's makespan does not depend on
@@ -228,14 +234,19 @@ def solve(problem: Problem, time_limit: float = 10.0, hint: Optional[Schedule] =
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.num_workers = workers or min(8, os.cpu_count() or 1)
+    if work_limit is not None:
+        solver.parameters.max_deterministic_time = float(work_limit)
+        solver.parameters.num_workers = workers or 1
+        solver.parameters.interleave_search = True  # several workers in a fixed order: deterministic
+    else:
+        solver.parameters.num_workers = workers or min(8, os.cpu_count() or 1)
     solver.parameters.random_seed = seed
     code = solver.solve(model)
     wall = time.perf_counter() - t0
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
         bound = solver.best_objective_bound / scale if code == cp_model.UNKNOWN else math.inf
-        return Result(None, None, bound, status, scale, rounded, wall)
+        return Result(None, None, bound, status, scale, rounded, wall, solver.deterministic_time)
     ranks: List[List[Op]] = [[] for _ in range(pl.pp)]
     for op in sorted(ops, key=lambda o: solver.value(start[o])):
         ranks[pl.rank_of(op.stage)].append(op)
@@ -253,7 +264,7 @@ def solve(problem: Problem, time_limit: float = 10.0, hint: Optional[Schedule] =
     status = "optimal" if code == cp_model.OPTIMAL else "feasible"
     solved.meta.update(optimal={"status": status, "lower_bound": bound, "of": problem.name,
                                 "time_units_per_cost_unit": scale, "costs_rounded": rounded})
-    return Result(solved, sim.makespan, bound, status, scale, rounded, wall)
+    return Result(solved, sim.makespan, bound, status, scale, rounded, wall, solver.deterministic_time)
 
 
 def _integer_sizes(problem: Problem) -> Tuple[Dict[int, int], int]:

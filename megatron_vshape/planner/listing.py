@@ -12,8 +12,8 @@ import heapq
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .blocks import EPS, Stuck
-from .ops import B
+from ..schedule.blocks import EPS, Stuck
+from ..schedule.ops import B
 from .problem import NOT_DONE, Problem
 
 

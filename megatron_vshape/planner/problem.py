@@ -14,8 +14,8 @@ import math
 from itertools import accumulate
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .blocks import EPS
-from .ops import B, F, W, Costs, Op, Placement, Schedule, StageCost
+from ..schedule.blocks import EPS
+from ..schedule.ops import B, F, W, Costs, Op, Placement, Schedule, StageCost
 
 NOT_DONE = math.inf  # run()'s end time of an op that has not run
 

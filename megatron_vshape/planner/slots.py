@@ -19,7 +19,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
-from .blocks import EPS
+from ..schedule.blocks import EPS
 
 PERIOD = 6  # slots per microbatch and rank: F, F, B, B, W, W
 Block = Sequence[Tuple[int, int, int, int]]  # per rank: slots of chunk-0 F, chunk-1 F, chunk-1 B, chunk-0 B

@@ -13,7 +13,7 @@ import math
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .blocks import EPS
+from ..schedule.blocks import EPS
 from .problem import Problem, Rerun
 
 STALE_KICKS = 5  # kicks in a row without a new best end the improvement

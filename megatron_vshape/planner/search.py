@@ -68,20 +68,21 @@ stage's size (1 when stages are equal; at m >= p that is floor(X * 2p) plain one
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import justify, microbatch_order, slots
-from .blocks import EPS, Stuck
-from .errors import ConfigError
+from ..schedule import microbatch_order, vshape
+from ..schedule.blocks import EPS, Stuck
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Costs, Schedule, StageCost, check_sizes, stage_table
+from ..schedule.simulate import one_f_one_b_peak
+from ..schedule.verify import verify
+from . import justify, slots
 from .listing import HOLD_RULES, RELIST_RULES, RULES, Listed, greedy, relist
 from .local import delay_search, improve, refit, relax
-from .ops import Costs, Schedule, StageCost, check_no_options, check_sizes, stage_table
 from .problem import Problem
-from .simulate import one_f_one_b_peak
-from .verify import verify
 
 MAX_BUDGET = 2.0
 
@@ -103,7 +104,7 @@ RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
 # V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
 # the named plan it includes having spent those.  v-auto's own share is half of what it was
 # before justify_search (run after relax) took that time: it finds more per second there
-# (docs/planner.md, "Justification").
+# (git log -S JUSTIFY_MANY: what it was measured against).
 RELAX_MOVES_NAMED = 15_000
 RELAX_MOVES = 30_000  # with m <= p (improve()'s refit starts need time there)
 RELAX_MOVES_MANY = 31_000  # with m > p, between V-Min's and V-Half's caps (v-auto's own 16,000: half of
@@ -156,8 +157,6 @@ def check_budget(name: str, pp: int, microbatches: int, budget: float, table: Se
 def _legacy(name: str, pp: int, m: int, costs: Costs, cap: float) -> List[Schedule]:
     """Today's constructions (vshape.PLANS, laid out under equal per-stage `costs`) at this
     cap, each built where it can be; the caller checks them under the real stage costs."""
-    from . import vshape  # late: vshape asks this module to plan
-
     if cap < 2:
         return []
     caps_of = lambda k: [int(cap + EPS)] * pp  # noqa: E731
@@ -366,19 +365,33 @@ def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[st
     return max(fits, key=lambda x: x[1]) if fits else None
 
 
-@lru_cache(maxsize=256)
-def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
-    cap = check_budget(name, pp, m, budget, table)
-    P = Problem(pp, m, costs, table, cap)
-    n_ops = 6 * pp * m
+@dataclass
+class _Starts:
+    """The candidate orders of one problem (each (score, tie-break, order, how)): `cands`
+    ranked, `refits` (other basins: improved besides the best few), and the late starts
+    `relisted` and `by_period`, tried after everything else."""
+    cands: list
+    refits: list
+    relisted: list
+    by_period: list
+
+    @property
+    def includes_named(self) -> bool:
+        """v-auto's candidates include the named plan below its budget (id -1), whose own
+        search spent a share of the work."""
+        return any(c[1] == -1 for c in self.cands)
+
+
+def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[Tuple[str, float]]) -> _Starts:
+    """Step 1: every start the problem gets (see the module docstring), scored."""
+    pp, m, table, n_ops = P.pp, P.m, P.table, 6 * P.pp * P.m
     cands: List[Tuple[Tuple[float, float], int, List[List[int]], str]] = []
-    for k, s in enumerate(_legacy(name, pp, m, costs, cap)):
+    for k, s in enumerate(_legacy(name, pp, m, costs, P.cap)):
         order = P.encode(s.ranks)
         got = P.evaluate(order)
         if got is not None and P.fits(order):
             cands.append((got, k, order, f"blocks {s.meta.get('candidate')}"))
-    below = _named_below(name, pp, m, budget)
-    if below is not None and 6 * pp * m <= NAMED_BELOW_OPS:
+    if below is not None and n_ops <= NAMED_BELOW_OPS:
         # The V-shape named for the largest budget <= this one fits too: v-auto is never slower
         # than it, and never slower as the budget passes V-Min's, V-Half's and V-ZB's.
         try:
@@ -411,35 +424,47 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
     if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
         for score, order, how in _refit_candidates(P):
             refits.append((score, 200 + len(refits), order, how))
-    if name == "v-auto" and n_ops <= RELAX_OPS and len(set(P.size)) > 1 and cap < cap_of(pp, m, 1.0, table) - EPS:
+    if name == "v-auto" and n_ops <= RELAX_OPS and len(set(P.size)) > 1 and P.cap < cap_of(pp, m, 1.0, table) - EPS:
         # Below V-ZB's cap, where the sizes decide what fits: another basin again.
         got = _unit_size_start(P, budget, int(UNIT_SIZE_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2))
         if got is not None:
             refits.append((got[0], 300, got[1], got[2]))
     if not cands + refits:
-        raise Stuck(f"{name}: no candidate fits cap {cap:g} at pp={pp}, microbatches={m}")
+        raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    # Improve the best few distinct starts (different basins), sharing IMPROVE_WORK, and the
-    # refit ones (other basins again).
-    starts = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
-    starts += [c for c in refits if all(c[0][:2] != s[0][:2] for s in starts)]
-    optimal = [c for c in starts if c[0][0] <= P.bound + EPS]
-    if optimal:
-        starts = optimal[:1]  # at the lower bound already: the plan (the steps below stop at once)
+    return _Starts(cands, refits, relisted, by_period)
+
+
+@dataclass
+class _Moves:
+    """Which of the search's moves run on one problem, and with how much work (step 2).
+
+    Short runs get relax() too: the named V-shapes' (their blocks are built for equal stages
+    and costs, and elsewhere improve() stops up to 8% above the optimum); between V-Min's and
+    V-Half's caps, where their blocks leave memory unused and the tight cap stalls improve();
+    above V-ZB's, where no block was built for the cap; and with m <= p (all warm-up and
+    cool-down) between any two.  Between V-Half's and V-ZB's with m > p, relax() alone found
+    nothing shorter on the instances with proven optima: delay_search() runs there instead.
+    At V-Min's or V-Half's cap itself v-auto's own plan searches on as between them: with
+    unequal stages the named plan's share of the search left plans up to 5.8% above the
+    optimum there (docs/planner.md, "How good it is")."""
+    named: bool  # a named V-shape's plan (not v-auto's own)
+    relaxing: bool
+    delaying: bool
+    improve_work: int  # improve()'s simulated ops, shared by the starts
+    relax_moves: int  # relax()'s moves at up to RELAX_FULL_OPS ops (fewer by `fewer` beyond)
+    fewer: float  # (RELAX_FULL_OPS / ops)^2 beyond RELAX_FULL_OPS ops
+    justify_tries: int
+    justify_kicks: int
+
+
+def _moves(name: str, P: Problem, below: Optional[Tuple[str, float]], includes_named: bool) -> _Moves:
+    pp, m, cap, n_ops = P.pp, P.m, P.cap, 6 * P.pp * P.m
     work = int(IMPROVE_WORK * min(1.0, IMPROVE_FULL_OPS / n_ops))  # long runs: fewer, costlier moves
-    if any(c[1] == -1 for c in cands):
-        work //= 2  # half the work was spent improving the named plan included above
-    # Short runs get relax() too: the named V-shapes' (their blocks are built for equal
-    # stages and costs, and elsewhere improve() stops up to 8% above the optimum); between
-    # V-Min's and V-Half's caps, where their blocks leave memory unused and the tight cap
-    # stalls improve(); above V-ZB's, where no block was built for the cap; and with m <= p
-    # (all warm-up and cool-down) between any two.  Between V-Half's and V-ZB's with m > p,
-    # relax() alone found nothing shorter on the instances with proven optima:
-    # delay_search() runs there instead.  At V-Min's or V-Half's cap itself v-auto's own plan
-    # searches on as between them: with unequal stages the named plan's share of the search
-    # left plans up to 5.8% above the optimum there (docs/planner.md, "Justification").
-    half_cap, zb_cap = (cap_of(pp, m, b(pp), table) for _, b in NAMED_BUDGETS[1:])
-    at_named = below is not None and cap < cap_of(pp, m, below[1], table) + EPS
+    if includes_named:
+        work //= 2  # half the work was spent improving the named plan included
+    half_cap, zb_cap = (cap_of(pp, m, b(pp), P.table) for _, b in NAMED_BUDGETS[1:])
+    at_named = below is not None and cap < cap_of(pp, m, below[1], P.table) + EPS
     between = n_ops <= RELAX_OPS and below is not None and (not at_named or cap < zb_cap - EPS)
     delaying = between and m > pp and half_cap + EPS < cap < zb_cap - EPS
     named = name in dict(NAMED_BUDGETS)
@@ -449,10 +474,57 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         # nor in a named plan, whose relax() is short (v-half's proven optimum at pp=4, m=8
         # needs its whole improve()).
         work //= RELAX_SHARE
-    fewer = min(1.0, RELAX_FULL_OPS / n_ops) ** 2  # relax()'s moves beyond RELAX_FULL_OPS ops
+    moves = 0
+    if relaxing:
+        if named:
+            moves = RELAX_MOVES_NAMED
+        else:
+            moves = RELAX_MOVES if m <= pp else RELAX_MOVES_ABOVE if cap > zb_cap + EPS else RELAX_MOVES_MANY
+            moves -= RELAX_MOVES_NAMED if includes_named else 0
+    # Justified (list-scheduled backward, then forward), with random restarts around the
+    # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
+    # ones JUSTIFY_LONG_WORK ops of list scheduling (30 restarts at 400 ops, 3 at 4,000, 1 up
+    # to 12,000), then none: on long runs with m near p justification is the step that finds
+    # the most per second, and more restarts never lengthen a plan.
+    tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
+    if relaxing and not named and not at_named and m > pp and cap < zb_cap - EPS:  # between V-Min's and V-Half's caps
+        tries *= JUSTIFY_MANY  # paid for by half of relax()'s moves (docs/planner.md, "How the search works")
+    return _Moves(named, relaxing, delaying, work, moves, min(1.0, RELAX_FULL_OPS / n_ops) ** 2,
+                  tries, int(tries * JUSTIFY_KICKS) if delaying else 0)
+
+
+class _Best:
+    """The best order so far, its score and how it was found; `finalists` are plans a later
+    step displaced, relisted at the end too (a relist may shorten them more)."""
+
+    def __init__(self, score, order, how):
+        self.score, self.order, self.how, self.finalists = score, order, how, []
+        self.plain = score  # the plan before justification (see _late_starts)
+
+    def take(self, P: Problem, ms: float, order, step: str, keep_displaced: bool = False) -> bool:
+        """Keep `order` (makespan `ms`) if shorter, its step named in `how`."""
+        if ms < self.score[0] - EPS:
+            if keep_displaced:
+                self.finalists.append((self.score, self.order, self.how))
+            self.how += f" + {step} ({self.score[0]:g} -> {ms:g})"
+            self.score, self.order = P.evaluate(order), order
+            return True
+        return False
+
+
+def _improve_starts(P: Problem, starts: _Starts, moves: _Moves) -> Tuple[_Best, int, int]:
+    """Step 3: improve the best few distinct starts (different basins), sharing improve()'s
+    work, and the refit ones (other basins again); then the best order's W's placed anew.
+    Returns the best, the work left unused and how many starts ran."""
+    cands = starts.cands
+    chosen = [c for k, c in enumerate(cands) if k == 0 or c[0][:2] != cands[k - 1][0][:2]][:IMPROVE_STARTS]
+    chosen += [c for c in starts.refits if all(c[0][:2] != s[0][:2] for s in chosen)]
+    optimal = [c for c in chosen if c[0][0] <= P.bound + EPS]
+    if optimal:
+        chosen = optimal[:1]  # at the lower bound already: the plan (the steps below stop at once)
     results, left = [], 0
-    for k, (score, _, order, how) in enumerate(starts):
-        better, unused = improve(P, [o[:] for o in order], work // len(starts), seed=k)
+    for k, (score, _, order, how) in enumerate(chosen):
+        better, unused = improve(P, [o[:] for o in order], moves.improve_work // len(chosen), seed=k)
         left += unused
         got = P.evaluate(better)
         if got[0] < score[0] - EPS:
@@ -468,85 +540,74 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
         new = P.evaluate(got)
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
-    if relaxing:
-        if named:
-            moves = RELAX_MOVES_NAMED
-        else:
-            moves = RELAX_MOVES if m <= pp else RELAX_MOVES_ABOVE if cap > zb_cap + EPS else RELAX_MOVES_MANY
-            moves -= RELAX_MOVES_NAMED if any(c[1] == -1 for c in cands) else 0
-        got, ms = relax(P, [list(o) for o in best], int(moves * fewer), seed=len(starts))
-        if ms < score[0] - EPS:
-            how += f" + relaxed across the cap ({score[0]:g} -> {ms:g})"
-            score, best = P.evaluate(got), got
+    return _Best(score, best, how), left, len(chosen)
+
+
+def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int) -> None:
+    """Step 4: the moves that go on from the best order (relax, one more improve, the
+    delayed first chunk, justification, relax again), each kept only if shorter."""
+    n_ops = 6 * P.pp * P.m
+    if moves.relaxing:
+        got, ms = relax(P, [list(o) for o in best.order], int(moves.relax_moves * moves.fewer), seed=n_starts)
+        best.take(P, ms, got, "relaxed across the cap")
     if n_ops <= IMPROVE_FULL_OPS:
-        left += work // len(starts)  # short runs: time for one more start's share
+        left += moves.improve_work // n_starts  # short runs: time for one more start's share
     if left:
         # Improve the best once more, ties of makespan broken the other way (F's and B's
         # early, W's late): that leaves plateaus the first pass could not.
-        better, _ = improve(P, [o[:] for o in best], left, seed=len(starts), tie=2)
+        better, _ = improve(P, [o[:] for o in best.order], left, seed=n_starts, tie=2)
         got = P.evaluate(better)
-        if got[0] < score[0] - EPS:
-            score, best, how = got, better, how + f" + improve, W's late on ties ({score[0]:g} -> {got[0]:g})"
-    if delaying:
-        got, ms = delay_search(P, [list(o) for o in best], int(DELAY_MOVES * fewer), min(m, DELAY_TRIES))
-        if ms < score[0] - EPS:
-            how += f" + first chunk's backward delayed ({score[0]:g} -> {ms:g})"
-            score, best = P.evaluate(got), got
-    finalists = []
-    # Justified (list-scheduled backward, then forward), with random restarts around the
-    # plan: on short runs as many as take about the time of JUSTIFY_TRIES at 200 ops, on long
-    # ones JUSTIFY_LONG_WORK ops of list scheduling (30 restarts at 400 ops, 3 at 4,000, 1 up
-    # to 12,000), then none: on long runs with m near p justification is the step that finds
-    # the most per second, and more restarts never lengthen a plan.  The plan itself is
-    # justified in two rounds, beyond that in one: a third gained nothing at pp=16, m=20 to
-    # 128, and a second costs what the first did and gained nothing at pp=16, m=128 or pp=32,
-    # m=256.
-    tries = int(JUSTIFY_TRIES * min(1.0, RELAX_FULL_OPS / n_ops)) if n_ops <= RELAX_OPS else JUSTIFY_LONG_WORK // n_ops
-    if relaxing and not named and not at_named and m > pp and cap < zb_cap - EPS:  # between V-Min's and V-Half's caps
-        tries *= JUSTIFY_MANY  # paid for by half of relax()'s moves (docs/planner.md, "Justification")
-    got, ms = justify.justify_search(P, [list(o) for o in best], tries, seed=len(starts),
-                                     rounds=2 if tries else 1, kicks=int(tries * JUSTIFY_KICKS) if delaying else 0)
-    plain = score  # a late start below that would have displaced the plan is relisted too
-    if ms < score[0] - EPS:
-        if n_ops > RELAX_OPS:  # long runs: relisted at the end too, it may relist shorter
-            finalists.append((score, best, how))
-        how += f" + justified ({score[0]:g} -> {ms:g})"
-        score, best = P.evaluate(got), got
-    if relaxing and n_ops > RELAX_FULL_OPS:
+        if got[0] < best.score[0] - EPS:
+            best.score, best.order, best.how = got, better, best.how + f" + improve, W's late on ties ({best.score[0]:g} -> {got[0]:g})"
+    if moves.delaying:
+        got, ms = delay_search(P, [list(o) for o in best.order], int(DELAY_MOVES * moves.fewer), min(P.m, DELAY_TRIES))
+        best.take(P, ms, got, "first chunk's backward delayed")
+    # The plan itself is justified in two rounds, beyond that in one: a third gained nothing at
+    # pp=16, m=20 to 128, and a second costs what the first did and gained nothing at pp=16,
+    # m=128 or pp=32, m=256.
+    tries = moves.justify_tries
+    best.plain = best.score  # a late start that would have displaced this plan is relisted too
+    got, ms = justify.justify_search(P, [list(o) for o in best.order], tries, seed=n_starts,
+                                     rounds=2 if tries else 1, kicks=moves.justify_kicks)
+    best.take(P, ms, got, "justified", keep_displaced=n_ops > RELAX_OPS)  # long runs: relisted at the end too
+    if moves.relaxing and n_ops > RELAX_FULL_OPS:
         # Beyond RELAX_FULL_OPS ops the moves above fall as the square of RELAX_FULL_OPS / ops,
         # and the planning time with them: from pp=5 on (m near p) that left plans up to 3%
         # above the best known, which more moves reach.  So one more relax() from the best,
         # with the moves that bring the total to RELAX_FULL_OPS / ops of the full count
         # (about the same planning time at every size): kept if shorter, and the plan it
-        # displaces is relisted at the end too (a relist may shorten it more).  Not after
-        # delay_search(): there it gained 0.05% a plan for 0.3-0.4 s, the least per second of
-        # any step, where those plans are the slowest (docs/planner.md, "Planning time").
-        more = moves * (RELAX_FULL_OPS / n_ops - fewer)
-        got, ms = relax(P, [list(o) for o in best], int(more), seed=len(starts) + 1)
-        if ms < score[0] - EPS:
-            finalists.append((score, best, how))
-            how += f" + relaxed again ({score[0]:g} -> {ms:g})"
-            score, best = P.evaluate(got), got
-    for k, late in enumerate((relisted, by_period)):
-        if not late or score[0] <= P.bound + EPS:
+        # displaces is relisted at the end too.  Not after delay_search(): there it gained
+        # 0.05% a plan for 0.3-0.4 s, the least per second of any step.
+        more = moves.relax_moves * (RELAX_FULL_OPS / n_ops - moves.fewer)
+        got, ms = relax(P, [list(o) for o in best.order], int(more), seed=n_starts + 1)
+        best.take(P, ms, got, "relaxed again", keep_displaced=True)
+
+
+def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
+    """Step 5: the best relisted block, then the best of the shortest periods, each improved
+    with a quarter of one start's share (planning time), kept if shorter: starts in their own
+    basins, tried after the rest so that they never displace them.  `plain` is the plan
+    before justification: a late start that would have displaced it is relisted too."""
+    for k, late in enumerate((starts.relisted, starts.by_period)):
+        if not late or best.score[0] <= P.bound + EPS:
             continue
-        # The best relisted block, then the best of the shortest periods, each improved with a
-        # quarter of one start's share (planning time), kept if shorter: starts in their own
-        # basins, tried after the rest so that they never displace them.
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
-        order, _ = improve(P, order, work // (RELIST_SHARE * len(starts)), seed=len(starts) + 1 + k)
+        order, _ = improve(P, order, moves.improve_work // (RELIST_SHARE * n_starts), seed=n_starts + 1 + k)
         why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
         got = P.evaluate(order)
-        if got[0] < score[0] - EPS:
-            finalists.append((score, best, how))
-            score, best, how = got, order, why
+        if got[0] < best.score[0] - EPS:
+            best.finalists.append((best.score, best.order, best.how))
+            best.score, best.order, best.how = got, order, why
         elif got[0] < plain[0] - EPS:
-            finalists.append((got, order, why))
+            best.finalists.append((got, order, why))
         plain = min(plain, got, key=lambda c: c[0])
-    # The plan is relisted last, and so is each plan a late start displaced (it may relist
-    # shorter): each plan is at most as long as without the late starts.
+
+
+def _relisted_end(P: Problem, best: _Best) -> Tuple[List[List[int]], str]:
+    """Step 6: the plan is relisted last, and so is each plan a later step displaced (it may
+    relist shorter): each plan is at most as long as without the late steps."""
     ends = []
-    for k, (was, order, why) in enumerate(finalists + [(score, best, how)]):
+    for k, (was, order, why) in enumerate(best.finalists + [(best.score, best.order, best.how)]):
         if was[0] <= P.bound + EPS:
             ends.append((was[0], -k, order, why + " (reaches the lower bound: optimal)"))
             continue
@@ -563,11 +624,26 @@ def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...]
             ends.append((got[0], -k, again, why + f" + cool-down relisted ({was[0]:g} -> {got[0]:g})"))
         else:
             ends.append((was[0], -k, order, why))
-    _, _, best, how = min(ends, key=lambda e: e[:2])
+    _, _, order, how = min(ends, key=lambda e: e[:2])
+    return order, how
+
+
+@lru_cache(maxsize=256)
+def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
+    """The search: starts, the moves this problem gets, improve the best starts, search on
+    from the best, the late starts, the cool-down relisted; then microbatches in order."""
+    P = Problem(pp, m, costs, table, check_budget(name, pp, m, budget, table))
+    below = _named_below(name, pp, m, budget)
+    starts = _starts(name, P, costs, budget, below)
+    moves = _moves(name, P, below, starts.includes_named)
+    best, left, n_starts = _improve_starts(P, starts, moves)
+    _search_on(P, best, moves, left, n_starts)
+    _late_starts(P, best, starts, moves, best.plain, n_starts)
+    order, how = _relisted_end(P, best)
     # Moves of single ops may leave two of a kind out of microbatch order on a stage; in
     # order, gradients add up as in the non-pipelined model (never longer, same memory).
-    best = P.encode(microbatch_order.relabel([[P.op(i) for i in o] for o in best]))
-    return tuple(tuple(o) for o in best), how
+    order = P.encode(microbatch_order.relabel([[P.op(i) for i in o] for o in order]))
+    return tuple(tuple(o) for o in order), how
 
 
 def plan(name: str, pp: int, microbatches: int, costs: Optional[Costs], budget: float,
@@ -577,7 +653,7 @@ def plan(name: str, pp: int, microbatches: int, costs: Optional[Costs], budget: 
     check_sizes(name, pp, microbatches)
     costs = (costs or Costs()).per_stage(2)
     if stage_costs is not None:
-        from .stage_costs import fit
+        from ..schedule.stage_costs import fit
 
         stage_costs = fit(stage_costs, 2 * pp, f"{name} at pp={pp}")
     table = stage_table(costs, 2 * pp, stage_costs)
@@ -594,15 +670,3 @@ def lower_bound(schedule: Schedule) -> Optional[float]:
         return None
     pp, S = schedule.pp, 2 * schedule.pp
     return Problem(pp, schedule.microbatches, schedule.costs, stage_table(schedule.costs, S, schedule.stage_costs), math.inf).bound
-
-
-DEFAULT_BUDGET = 1.0  # v-auto without a budget: the fastest V within 1F1B's activation memory
-
-
-def v_auto(pp: int, microbatches: int, costs: Costs = Costs(), memory_budget: Optional[float] = None,
-           stage_costs: Optional[Sequence[StageCost]] = None, **options) -> Schedule:
-    """V-Auto: the fastest V-shape schedule found within `memory_budget` (a fraction of 1F1B's
-    activation memory, from V-Min's ((p+4)//3)/p to 2.0; default 1.0)."""
-    check_no_options("v-auto", options)
-    budget = DEFAULT_BUDGET if memory_budget is None else memory_budget
-    return plan("v-auto", pp, microbatches, costs, budget, stage_costs)

@@ -35,7 +35,7 @@ import math
 import random
 from typing import List, Optional, Sequence, Tuple
 
-from .blocks import EPS
+from ..schedule.blocks import EPS
 
 REACH = 64  # how many positions of its rank an op may pass (bounds the work per op on long runs)
 
@@ -159,7 +159,7 @@ def justify(P, g: Graph, order: List[List[int]], score: Tuple[float, float, floa
     return best, best_score
 
 
-WINDOW = 0.35  # the share of the makespan a plain restart perturbs (docs/planner.md, "Justification")
+WINDOW = 0.35  # the share of the makespan a plain restart perturbs
 WINDOW_NOISE = 1.0  # in mean ops, inside that window
 
 

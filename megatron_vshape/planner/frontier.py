@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from . import registry
-from .errors import ConfigError
-from .ops import Costs, StageCost
+from ..schedule import registry
+from ..schedule.errors import ConfigError
+from ..schedule.ops import Costs, StageCost
+from ..schedule.simulate import simulate
 from .search import budget_steps, lower_bound
-from .simulate import simulate
 
 BASELINES = ("1f1b", "1f1b-interleaved", "zb-h1", "zb-h2")
 
