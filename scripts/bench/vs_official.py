@@ -1,0 +1,123 @@
+"""v-auto against the paper's released adaptive scheduler (`v_auto_schedule.schedule` of
+sail-sg/zero-bubble-pipeline-parallelism), both measured by this project's simulator.
+
+The official scheduler is not part of this project: pass the path of its file
+(megatron/core/pipeline_parallel/zerobubble/scheduler/v_auto_schedule.py in that repository).
+For each point (pp, microbatches, costs, cap) it schedules under `max_mem` = cap; its order is
+replayed as our op lists (its F/B/W rows go down the ranks: chunk 0's forward, chunk 1's
+backward; f/b/w go up), simulated, and v-auto is planned at the official schedule's own peak
+(budget = peak / (2p)), so the two are compared at the same memory.  "worse" counts points
+where v-auto's makespan is longer.
+
+Grid: pp 4..16, microbatches p..8p, the three cost sets of schedules.py, every cap from V-Min's
+to 2p.  It is too large to run whole (the official scheduler takes seconds to minutes a
+point), so --sample N draws N points uniformly from it with --seed; --pp/--factors restrict it.
+
+    python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
+                                        [--pp 4,5,...] [--max-m 64] [--csv out/vs_official.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib.util
+import io
+import os
+import random
+import sys
+import time
+
+from megatron_vshape.planner import search
+from megatron_vshape.schedule import registry
+from megatron_vshape.schedule.ops import B, F, W, Costs, Op, Placement, Schedule
+from megatron_vshape.schedule.simulate import simulate
+
+COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")  # per rank, as users give them
+FIELDS = ("pp", "microbatches", "costs", "cap", "official", "official_peak", "ours", "ours_peak", "gap", "official_s", "ours_s")
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location("official_v_auto", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay(official, pp: int, m: int, stage_costs: Costs, cap: int) -> Schedule:
+    """The official schedule under `cap` stage-activations per rank, as our op lists."""
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its memory/bubble table
+        rows = official.schedule(pp, m, (stage_costs.F, stage_costs.B, stage_costs.W, stage_costs.C), cap)
+    ranks = []
+    for r, row in enumerate(rows):
+        seen, ops = {}, []
+        for node in row:
+            kind, chunk = {"F": F, "B": B, "W": W}[node.type], int(node.chunk)  # chunk 1: the official f, B, W
+            stage = r if chunk == 0 else 2 * pp - 1 - r
+            mb = seen.get((kind, stage), 0)
+            seen[(kind, stage)] = mb + 1
+            ops.append(Op(kind, mb, stage))
+        ranks.append(ops)
+    return Schedule("official v_auto", Placement("v", pp, 2), m, stage_costs, ranks, {})
+
+
+def points(pps, max_m, cost_sets):
+    for pp in pps:
+        low = search.budget_steps(pp, pp, high=2.0)[0][0]
+        for m in range(pp, min(8 * pp, max_m) + 1):
+            for costs in cost_sets:
+                for cap in range(low, 2 * pp + 1):
+                    yield pp, m, costs, cap
+
+
+def compare(official, pp, m, costs_text, cap):
+    user = Costs.parse(costs_text)
+    t = time.process_time()
+    theirs = replay(official, pp, m, user.per_stage(2), cap)
+    t_off = time.process_time() - t
+    sim = simulate(theirs)
+    peak = max(sim.peak_activations)
+    t = time.process_time()
+    search._plan.cache_clear()
+    ours = simulate(registry.build("v-auto", pp, m, user, memory_budget=peak / (2 * pp)))
+    t_ours = time.process_time() - t
+    return {"pp": pp, "microbatches": m, "costs": costs_text, "cap": cap, "official": round(sim.makespan, 6),
+            "official_peak": peak, "ours": round(ours.makespan, 6), "ours_peak": max(ours.peak_activations),
+            "gap": ours.makespan / sim.makespan - 1, "official_s": round(t_off, 2), "ours_s": round(t_ours, 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--official", required=True, help="path of the released v_auto_schedule.py")
+    ap.add_argument("--pp", default=",".join(str(p) for p in range(4, 17)))
+    ap.add_argument("--max-m", type=int, default=128, help="largest microbatch count drawn (the grid goes to 8p)")
+    ap.add_argument("--costs", default=";".join(COST_SETS))
+    ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly from the grid (0: all)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--csv", default="out/vs_official.csv")
+    args = ap.parse_args(argv)
+    official = load(args.official)
+    grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c]))
+    chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
+    print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
+    rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for point in chosen:
+            row = compare(official, *point)
+            rows.append(row)
+            writer.writerow(row)
+            f.flush()
+            mark = "WORSE" if row["gap"] > 1e-9 else ""
+            print(" ".join(f"{k}={row[k]}" for k in FIELDS[:8]), f"gap={row['gap']:+.3%}", mark, flush=True)
+    worse = [r for r in rows if r["gap"] > 1e-9]
+    equal = [r for r in rows if abs(r["gap"]) <= 1e-9]
+    print(f"\npoints {len(rows)}  worse {len(worse)}  equal {len(equal)}  better {len(rows) - len(worse) - len(equal)}  "
+          f"worst gap {max((r['gap'] for r in rows), default=0):+.3%}  mean {sum(r['gap'] for r in rows) / max(1, len(rows)):+.3%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
