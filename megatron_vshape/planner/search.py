@@ -56,8 +56,9 @@ Everything is deterministic: the work is bounded by counts of simulated ops, nev
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
 Results are cached per problem in-process.
 
-This module builds the candidates and runs the steps in order (`_plan`); the steps live
-beside it: problem.py (the problem on integer op ids and its simulator), listing.py
+`_plan` runs them as six named steps: `_starts` (the candidates), `_moves` (which moves run
+with how much work, from the run's size and where the cap lies), `_improve_starts`,
+`_search_on`, `_late_starts` and `_relisted_end`.  The moves live beside this module: problem.py (the problem on integer op ids and its simulator), listing.py
 (`greedy`, `relist`), local.py (`improve`, `relax`, `delay_search`, `refit`), justify.py
 and slots.py.
 
@@ -99,7 +100,7 @@ IMPROVE_STARTS = 3
 RETIME_THETAS = (0.0, 0.5, 1.0)  # W placements tried on the best order at the end
 RELIST_SHARE = 4  # the relisted start's improve() gets 1/RELIST_SHARE of one start's work
 IMPROVE_FULL_OPS = 2000  # runs up to this many ops get all of IMPROVE_WORK
-RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _plan)
+RELAX_OPS = 400  # runs of up to this many ops get relax() (where: see _moves)
 # relax()'s moves for one plan, up to RELAX_FULL_OPS ops (beyond, fewer by the square): a named
 # V-shape's plan gets RELAX_MOVES_NAMED, and v-auto's own relax() gets the rest of its share,
 # the named plan it includes having spent those.  v-auto's own share is half of what it was
