@@ -31,7 +31,7 @@ WORK = 1.5  # CP-SAT's deterministic time per solve (its own count of work, the 
 # `python tests/unit/test_optimal.py` proves every one again (CP-SAT, all workers, up to 900 s
 # each) and prints any that differs; each also is `megatron-vshape plan --schedule NAME --pp P
 # --microbatches M --costs C [--memory-budget B] --optimal --time-limit 900`.  Those marked
-# quick are proven within WORK on one worker, which the tests check.
+# quick are proven within half of WORK on one worker, which the tests check.
 INSTANCES = [
     ("v-half", 2, 4, "2,2.2,1.6,0.05"),
     ("v-min", 3, 3, "2,2.2,1.6,0.05"),
@@ -74,7 +74,7 @@ INSTANCES = [
     ("v-zb", 4, 12, "2,2,2,0.25"),
 ]
 ID = lambda inst: f"{inst[0]}-pp{inst[1]}-m{inst[2]}-{inst[3]}" + (f"-budget{inst[4]}" if inst[4:] else "")  # noqa: E731
-PROVEN = {  # ID: (the proven optimum, proven within WORK on one worker)
+PROVEN = {  # ID: (the proven optimum, proven within half of WORK on one worker: "quick")
     "v-half-pp2-m4-2,2.2,1.6,0.05": (24.45, True),
     "v-min-pp3-m3-2,2.2,1.6,0.05": (24, True),
     "v-min-pp4-m4-2,2.2,1.6,0.05": (36.4, True),
@@ -91,7 +91,7 @@ PROVEN = {  # ID: (the proven optimum, proven within WORK on one worker)
     "v-auto-pp4-m7-2,2.2,1.6,0.05-budget0.625": (51.2, False),
     "v-auto-pp3-m5-2,2.2,1.6,0.05-budget0.8333333333333334": (32.8, True),
     "v-auto-pp3-m7-2,2.2,1.6,0.05-budget0.8333333333333334": (44.4, False),
-    "v-auto-pp4-m5-2,2.2,1.6,0.05-budget0.875": (34, True),
+    "v-auto-pp4-m5-2,2.2,1.6,0.05-budget0.875": (34, False),  # proven in 1.34 of WORK: too near to promise
     "v-auto-pp3-m5-2,2,2,0.25-budget0.8333333333333334": (35, True),
     "v-auto-pp3-m6-2,2,2,0.25-budget0.8333333333333334": (41, False),
     "v-auto-pp3-m8-2,2,2,0.25-budget0.8333333333333334": (53, False),
@@ -128,15 +128,19 @@ def _solved(name, pp, m, costs, budget=None):
 def test_solution_verifies_and_resimulates_to_its_claim(inst):
     schedule, result = _solved(*inst)
     value, quick = PROVEN[ID(inst)]
-    assert result.status == ("optimal" if quick else "feasible"), result.to_dict()  # deterministic: WORK, one worker
+    assert result.bound <= value + 1e-9, result.to_dict()  # no proven bound passes the optimum
+    if quick:
+        assert result.status == "optimal", result.to_dict()
+    if result.schedule is None:  # a hard instance, no schedule within WORK (the same on every machine)
+        return
     solved = result.schedule
     assert solved.placement == schedule.placement and solved.split_backward == schedule.split_backward
     export.from_dict(export.to_dict(solved))  # verifies, memory budget included
     sim = simulate(solved)
     assert sim.makespan == pytest.approx(result.makespan, abs=1e-9)
     # The stored optimum lies between the solver's bound and its schedule, and is both when proven.
-    assert result.bound - 1e-9 <= value <= result.makespan + 1e-9
-    if quick:
+    assert value <= result.makespan + 1e-9
+    if result.status == "optimal":
         assert result.makespan == pytest.approx(value, abs=1e-9) == pytest.approx(result.bound, abs=1e-9)
     budget = optimal.problem_of(schedule).cap  # the schedule's budget (or its own peak) in stage-activations
     assert max(sim.peak_activations) <= budget + 1e-9
