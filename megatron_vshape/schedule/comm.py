@@ -196,18 +196,14 @@ def device_stall(schedule: Schedule, streams: int = 1, post_ahead: bool = True) 
         for r, entries in enumerate(issued):
             while pos[r] < len(entries):
                 what, peer, k = entries[pos[r]] + (None,) * (3 - len(entries[pos[r]]))
-                if what == "post":
-                    if not complete(peer, r, k - streams):
+                if what != "op":
+                    src, dst = (peer, r) if what in ("post", "wait") else (r, peer)
+                    launches = what in ("post", "send")  # else a wait for message k to complete
+                    # A launch waits for the message before it on its stream; a wait for this one.
+                    if not complete(src, dst, k - streams if launches else k):
                         break
-                    launched.add(("recv", peer, r, k))
-                elif what == "wait" and not complete(peer, r, k):
-                    break
-                elif what == "send":
-                    if not complete(r, peer, k - streams):
-                        break
-                    launched.add(("send", r, peer, k))
-                elif what == "sent" and not complete(r, peer, k):
-                    break
+                    if launches:
+                        launched.add(("recv" if what == "post" else "send", src, dst, k))
                 pos[r] += 1
                 moved = True
     return [f"rank {r} at {' '.join(map(str, entries[pos[r]]))}" for r, entries in enumerate(issued)
