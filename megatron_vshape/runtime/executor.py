@@ -56,7 +56,7 @@ def get_forward_backward_func(schedule: Union[str, Schedule], costs: Optional[Co
         registry.generator(schedule)  # unknown names fail here, before any rank starts a step
     elif not isinstance(schedule, Schedule):
         raise ConfigError(f"schedule must be a registered name or a Schedule, not {type(schedule).__name__}")
-    _megatron_steps()  # an untested megatron-core release, or a changed signature, fails here, at start-up
+    compat.megatron_steps()  # an untested megatron-core release, or a changed signature, fails here, at start-up
     return _Executor(schedule, costs, **options)
 
 
@@ -107,12 +107,6 @@ class _Executor:
                      pg_collection, force_all_reduce).run()
 
 
-def _megatron_steps():
-    """megatron-core's (forward_step, backward_step, check_first_val_step), checked for what the executor
-    uses; backward_step takes model_type on every release (runtime.compat)."""
-    return compat.megatron_steps()
-
-
 def _groups(pg_collection, p2p_communicator):
     """(pp, tp, cp) process groups, from pg_collection or megatron-core's parallel_state."""
     from megatron.core import parallel_state as ps
@@ -131,7 +125,7 @@ class _Step:
                  pg_collection, force_all_reduce):
         from megatron.core.utils import get_model_config, get_model_type
 
-        self.forward_step, self.backward_step, self.check_first_val_step = _megatron_steps()
+        self.forward_step, self.backward_step, self.check_first_val_step = compat.megatron_steps()
         self.model = model if isinstance(model, list) else [model]
         self.config = get_model_config(self.model[0])
         self.model_type = get_model_type(self.model[0])
