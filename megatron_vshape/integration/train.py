@@ -66,7 +66,7 @@ class _Parser(Parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="megatron-vshape pretrain", description=__doc__.split("\n")[0],
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML file of flag values (keys are flag names); command-line flags override it")
