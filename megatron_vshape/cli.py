@@ -270,8 +270,6 @@ def plan_balanced(args: argparse.Namespace) -> int:
     from .schedule.balance import balance
 
     options = {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
-    if args.schedule == "v-auto":
-        options["memory_budget"] = args.memory_budget if args.memory_budget is not None else 1.0
     result = balance(_model_shape(args), args.schedule, args.pp, args.microbatches, _costs(args.costs),
                      args.memory_budget, flag="--memory-budget", **options)
     if args.export:

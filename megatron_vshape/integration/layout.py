@@ -96,8 +96,6 @@ def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path
         raise ConfigError(f"--pipeline-balance auto plans the schedule for the layout it picks; --pipeline-schedule-file "
                           f"{path} holds its own order: pass --pipeline-schedule NAME instead")
     budget = getattr(args, "pipeline_memory_budget", None)
-    if name == "v-auto":
-        options = {**options, "memory_budget": budget or 1.0}
     result = balance(model_shape(args), name, pp, m, costs, budget, **options)
     return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape):\n"
                                             + result.summary())

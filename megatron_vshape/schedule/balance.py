@@ -161,7 +161,10 @@ def _towards_even_ranks(shape: ModelShape, placement: Placement) -> List[Layout]
 def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Optional[Costs] = None,
             memory_budget: Optional[float] = None, flag: str = "--pipeline-memory-budget", **options) -> Balanced:
     """The layout of `shape.num_layers` layers for schedule `name` that minimises the simulated
-    iteration time within `memory_budget` (peak_vs_1f1b on every rank); ConfigError when none fits."""
+    iteration time within `memory_budget` (peak_vs_1f1b on every rank); ConfigError when none fits.
+    v-auto is planned at that budget (its generator's default without one): callers pass it once."""
+    if name == "v-auto":
+        options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
     placement = plain.placement
     S = placement.num_stages
@@ -243,13 +246,10 @@ def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optio
     a schedule that cannot serve the sizes gives its reason."""
     rows = []
     for name in names or registry.names():
-        options = {}
-        if name == "v-auto":  # planned at a budget: only when one is given
-            if memory_budget is None:
-                continue
-            options["memory_budget"] = memory_budget
+        if name == "v-auto" and memory_budget is None:  # planned at a budget: only when one is given
+            continue
         try:
-            b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget", **options)
+            b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget")
         except ConfigError as exc:
             rows.append({"schedule": name, "error": str(exc).splitlines()[0]})
             continue

@@ -115,3 +115,25 @@ def test_unwritable_output_exits_1_without_traceback(tmp_path):
 def test_usage_errors_exit_2():
     r = run("plan", "--pp", "4")
     assert r.returncode == 2 and "--schedule" in r.stderr
+
+
+def _model_file(tmp_path, vocab=32000, layers=8):
+    """A small GPT shape whose output layer outweighs a layer (a vocabulary of `vocab`)."""
+    path = tmp_path / f"model-{vocab}-{layers}.yaml"
+    path.write_text(f"num-layers: {layers}\nhidden-size: 256\nseq-length: 128\nvocab-size: {vocab}\n")
+    return str(path)
+
+
+def test_v_auto_is_balanced_at_the_budget_given(tmp_path, capsys):
+    # --memory-budget reached balance() twice (as the fit and as v-auto's option): a TypeError.
+    from megatron_vshape import cli
+
+    for budget in (0.75, 1.5):
+        assert cli.main(["plan", "--schedule", "v-auto", "--pp", "3", "--microbatches", "6", "--model",
+                         _model_file(tmp_path, vocab=4096, layers=12), "--memory-budget", str(budget), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["memory_budget"] == budget and max(out["peak_vs_1f1b"]) <= budget + 1e-9
+    assert cli.main(["compare", "--pp", "2", "--microbatches", "4", "--model", _model_file(tmp_path, vocab=4096),
+                     "--memory-budget", "1.5", "--json"]) == 0
+    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert "error" not in rows["v-auto"] and rows["v-auto"]["balanced"]["peak_vs_1f1b"] <= 1.5 + 1e-9
