@@ -374,34 +374,59 @@ def cmd_frontier(args: argparse.Namespace) -> int:
 
     check_sizes("frontier", args.pp, args.microbatches)
     costs = _costs(args.costs)
-    stage_costs = None
+    stage_costs, balanced = None, None
     if args.stage_costs:
         from .schedule.stage_costs import load
 
         stage_costs = load(args.stage_costs)
-    elif args.model:  # the V's 2p stages of the even split, estimated; 1F1B's p stages merge pairs
-        from .schedule.layout import even
-
-        shape = _model_shape(args)
-        stage_costs = shape.stage_costs(even(shape.num_layers, 2 * args.pp), args.pp)
-    points = frontier.frontier(args.pp, args.microbatches, costs, stage_costs)
+    if args.model:  # the even split's estimated stage costs, and the balanced layout at every budget
+        points, balanced = frontier.balanced(_model_shape(args), args.pp, args.microbatches, costs)
+    else:
+        points = frontier.frontier(args.pp, args.microbatches, costs, stage_costs)
     written = []
     c = costs
     title = f"pp={args.pp} microbatches={args.microbatches} costs F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}" + (
-        f", stage costs estimated from {args.model} (even split)" if args.model and not args.stage_costs else "")
+        f", stage costs estimated from {args.model}: even split and balanced layout" if args.model else "")
     if args.picture:
-        written = frontier.write(points, title, args.picture)
+        written = frontier.write(points, title, args.picture, balanced)
     if args.json:
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(),
-                          "points": [p.to_dict() for p in points], "written": written}, indent=2))
+        out = {"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(),
+               "points": [p.to_dict() for p in points], "written": written}
+        if balanced is not None:
+            out["balanced"] = [p.to_dict() for p in balanced]
+        print(json.dumps(out, indent=2))
         return 0
     print(title)
-    table = [[p.schedule, "-" if p.memory_budget is None else f"{p.memory_budget:.4g}", f"{p.peak_vs_1f1b:.3g}",
-              f"{p.makespan:g}", _pct(p.bubble_rate), f"{p.vs_1f1b:.3f}"] for p in points]
-    print(format_table(["schedule", "budget", "peak vs 1F1B", "makespan", "bubble", "vs 1F1B"], table))
+    budget = lambda p: "-" if p.memory_budget is None else f"{p.memory_budget:.4g}"  # noqa: E731
+    if balanced is None:
+        table = [[p.schedule, budget(p), f"{p.peak_vs_1f1b:.3g}", f"{p.makespan:g}", _pct(p.bubble_rate),
+                  f"{p.vs_1f1b:.3f}"] for p in points]
+        print(format_table(["schedule", "budget", "peak vs 1F1B", "makespan", "bubble", "vs 1F1B"], table))
+    else:
+        print(format_table(["schedule", "budget", "even: peak vs 1F1B", "bubble", "vs 1F1B", "balanced layout",
+                            "peak vs 1F1B", "bubble", "vs 1F1B", "speed-up"], _frontier_pairs(points, balanced)))
+        print("vs 1F1B: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's "
+              "even split; balanced: the layout --pipeline-balance auto picks at that budget")
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _frontier_pairs(even, balanced) -> List[List[str]]:
+    """One row per budget (then per baseline): the even split's figures beside the balanced layout's."""
+    key = lambda p: (p.schedule, None if p.memory_budget is None else round(p.memory_budget, 9))  # noqa: E731
+    by_key = {key(p): p for p in balanced}
+    rows = []
+    keys = dict.fromkeys(key(p) for p in list(even) + list(balanced))  # the V's budgets ascending, then the baselines
+    for k in sorted(keys, key=lambda k: (k[1] is None, k[1] or 0.0, list(keys).index(k))):
+        e = next((p for p in even if key(p) == k), None)
+        b = by_key.get(k)
+        figures = lambda p: ([f"{p.peak_vs_1f1b:.3g}", _pct(p.bubble_rate), f"{p.vs_1f1b:.3f}"] if p  # noqa: E731
+                             else ["-", "-", "-"])
+        layout = ",".join(map(str, b.layout)) if b and b.layout else "-"
+        gain = f"{e.makespan / b.makespan - 1:+.1%}" if e and b else "-"
+        rows.append([k[0], "-" if k[1] is None else f"{k[1]:.4g}"] + figures(e) + [layout] + figures(b) + [gain])
+    return rows
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -137,3 +137,39 @@ def test_v_auto_is_balanced_at_the_budget_given(tmp_path, capsys):
                      "--memory-budget", "1.5", "--json"]) == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert "error" not in rows["v-auto"] and rows["v-auto"]["balanced"]["peak_vs_1f1b"] <= 1.5 + 1e-9
+
+
+def test_frontier_with_a_model_prints_and_draws_even_and_balanced(tmp_path, capsys):
+    from megatron_vshape import cli
+
+    model, svg = _model_file(tmp_path, vocab=8192), tmp_path / "f.svg"
+    args = ["frontier", "--pp", "2", "--microbatches", "4", "--model", model]
+    assert cli.main(args + ["--json", "--picture", str(svg)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    even, balanced = out["points"], out["balanced"]
+    assert {p["schedule"] for p in even} == {p["schedule"] for p in balanced}
+    assert all(p["layout"] is None for p in even) and all(sum(p["layout"]) == 8 for p in balanced)
+    assert str(svg) in out["written"] and "balanced layout" in svg.read_text()
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "even split and balanced layout" in lines[0]
+    assert lines[1].split()[:4] == ["schedule", "budget", "even:", "peak"] and "balanced layout" in lines[1]
+    rows = {(l.split()[0], l.split()[1]): l.split() for l in lines[3:] if l.split() and l.split()[0] in
+            {p["schedule"] for p in even}}
+    for p in balanced:  # each balanced point is in its row: layout, time vs 1F1B, speed-up over the even split
+        row = rows[(p["schedule"], "-" if p["memory_budget"] is None else f"{p['memory_budget']:.4g}")]
+        e = next(q for q in even if (q["schedule"], q["memory_budget"]) == (p["schedule"], p["memory_budget"]))
+        assert row[5:] == [",".join(map(str, p["layout"])), f"{p['peak_vs_1f1b']:.3g}", f"{100 * p['bubble_rate']:.2f}%",
+                           f"{p['vs_1f1b']:.3f}", f"{e['makespan'] / p['makespan'] - 1:+.1%}"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--model", "no-such.yaml"), "--model no-such.yaml: No such file or directory"),
+    (("--model", "configs/gpt/gpt-1.3b.yaml", "--stage-costs", "examples/stage_costs_pp4.json"), "pass one"),
+    (("--model", "configs/gpt/gpt-1.3b.yaml", "--vocab-size", "0"), "--vocab-size: got 0"),
+    (("--model", "README.md"), "--model README.md"),
+])
+def test_frontier_refuses_a_bad_model_in_one_line(extra, message):
+    r = run("frontier", "--pp", "4", "--microbatches", "8", *extra)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("megatron-vshape frontier: error:")

@@ -134,3 +134,81 @@ def test_text_legend_explains_every_character():
             assert f"{kind} " in legend
     equal = render.text(registry.build("v-min", 4, 8))
     assert "rounded" not in equal and "-" not in "".join(l.split("|")[1] for l in equal.splitlines() if l.startswith("rank"))
+
+
+# ---- the frontier picture with a model shape: the even split against the balanced layout ----
+
+def _frontier_pair(vocab):
+    from megatron_vshape.planner import frontier
+    from megatron_vshape.schedule.balance import ModelShape
+
+    return frontier.balanced(ModelShape(8, 256, 128, vocab), 2, 4)
+
+
+@pytest.fixture(scope="module")
+def heavy_head():
+    return _frontier_pair(8192)  # the output layer outweighs two layers: balancing moves layers off rank 0
+
+
+def _series(root):
+    """{legend label: (polyline, [circle])} of the picture's titled curve groups."""
+    out = {}
+    for g in root.iter(SVG + "g"):
+        out[g.find(SVG + "title").text] = (g.find(SVG + "polyline"), g.findall(SVG + "circle"))
+    return out
+
+
+def test_frontier_picture_draws_both_series_labelled_in_the_legend(heavy_head, tmp_path):
+    from megatron_vshape.planner import frontier
+
+    even, balanced = heavy_head
+    files = frontier.write(even, "t", str(tmp_path / "f.svg"), balanced)
+    root = ET.parse(files[0]).getroot()
+    series = _series(root)
+    assert set(series) == {"v-auto, even split (budget on x)", "v-auto, balanced layout (budget on x)"}
+    for label, points in (("even split", even), ("balanced layout", balanced)):
+        line, dots = series[f"v-auto, {label} (budget on x)"]
+        assert len(dots) == len(line.get("points").split()) == sum(p.schedule == "v-auto" for p in points)
+    even_line, balanced_line = (series[f"v-auto, {k} (budget on x)"][0] for k in ("even split", "balanced layout"))
+    assert even_line.get("stroke") != balanced_line.get("stroke")
+    assert balanced_line.get("stroke-dasharray") and not even_line.get("stroke-dasharray")
+    # the legend: each curve's label beside a line drawn as its curve is, and what hollow squares mean
+    elements = list(root)
+    texts = [e.text for e in elements if e.tag == SVG + "text"]
+    for line in (even_line, balanced_line):
+        label = next(k for k, (l, _) in series.items() if l is line)
+        swatch = elements[[e.text for e in elements].index(label) - 1]
+        assert swatch.tag == SVG + "line" and swatch.get("stroke") == line.get("stroke")
+        assert swatch.get("stroke-dasharray") == line.get("stroke-dasharray")
+    assert "filled: even split" in texts and "hollow: balanced layout" in texts
+    squares = [r for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+    baselines = [p.schedule for p in even if p.schedule != "v-auto"]
+    assert sorted(r.find(SVG + "title").text.split(",")[0] for r in squares) == sorted(baselines * 2)
+    hollow = [r for r in squares if r.get("fill") == "white"]
+    assert len(hollow) == len(baselines) and all("balanced layout (" in r.find(SVG + "title").text for r in hollow)
+
+
+def test_frontier_picture_without_a_model_has_one_curve(tmp_path):
+    from megatron_vshape.planner import frontier
+
+    root = ET.fromstring(frontier.svg(frontier.frontier(3, 6), "t"))
+    assert list(_series(root)) == ["v-auto (budget on x)"]
+    assert not any((t.text or "").startswith(("filled", "hollow")) for t in root.iter(SVG + "text"))
+
+
+@pytest.mark.parametrize("vocab", [2048, 8192])  # a head worth less than a layer, and worth two
+def test_the_balanced_curve_is_never_above_the_even_one(vocab, heavy_head):
+    # The balance search plans the even split for its costs among its candidates, and leaves the
+    # even order an even run uses only for a layout MIN_GAIN faster: so at worst it keeps that
+    # order, within MIN_GAIN of the even curve; each curve is the best at its budget or below.
+    from megatron_vshape.schedule.balance import MIN_GAIN
+
+    even, balanced = heavy_head if vocab == 8192 else _frontier_pair(vocab)
+    pairs = [(e, b) for e in even for b in balanced if (e.schedule, e.memory_budget) == (b.schedule, b.memory_budget)]
+    assert len(pairs) == len(even)  # every even point has its balanced one
+    for e, b in pairs:
+        assert b.makespan <= e.makespan / (1 - MIN_GAIN) + 1e-9, (e, b)
+        assert b.vs_1f1b == pytest.approx(b.makespan / next(p.makespan for p in even if p.schedule == "1f1b"))
+    if vocab == 8192:  # the picture shows a difference: faster at every budget, layers moved off rank 0
+        assert all(b.makespan < e.makespan * (1 - MIN_GAIN) for e, b in pairs if e.schedule == "v-auto")
+        assert all(b.layout[0] + b.layout[-1] < 4 for e, b in pairs if e.schedule == "v-auto")
