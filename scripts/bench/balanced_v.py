@@ -26,47 +26,22 @@ from megatron_vshape.argtypes import Parser, check_output_paths, fail, output_pa
 
 quiet_megatron_notices()
 
-from cpu_pipeline import _measured, _ours, median_step, write_csv  # noqa: E402  (same directory)
+from cpu_pipeline import write_csv  # noqa: E402  (same directory)
 from megatron_vshape.integration.launch import launch  # noqa: E402
 from megatron_vshape.schedule import registry  # noqa: E402
 from megatron_vshape.schedule.balance import ModelShape, balance  # noqa: E402
-from megatron_vshape.schedule.ops import StageCost  # noqa: E402
-from megatron_vshape.schedule.simulate import simulate  # noqa: E402
-
-
-def _rank(rank, world_size, cases, m, warmup, steps):
-    return {label: _ours(tiny, schedule.name, world_size, m, warmup, steps, schedule=schedule)
-            for label, (tiny, schedule) in cases.items()}
-
-
-def _stage_costs(per_rank_ops, num_stages):
-    """Mean F, B, W per stage over every rank's ops of one step (BW split in halves)."""
-    times = {}
-    for ops in per_rank_ops:
-        for kind, _, stage, a, b in ops:
-            for k in ("B", "W") if kind == "BW" else (kind,):
-                times.setdefault((stage, k), []).append((b - a) / (2 if kind == "BW" else 1))
-    mean = {key: statistics.mean(v) for key, v in times.items()}
-    return tuple(StageCost(*(mean.get((s, k), 0.0) for k in ("F", "B", "W"))) for s in range(num_stages))
+from megatron_vshape.testing.timed_steps import figures, median_over, run_cases  # noqa: E402
 
 
 def _row(label, tiny, schedule, launches):
     """Figures of one case: each launch's median step, then the median over launches."""
-    per_launch = []
-    for results in launches:
-        runs = [r[label] for r in results]
-        step = median_step(runs[0]["times"])
-        ops = [r["ops"][step] for r in runs]
-        makespan, bubble, _ = _measured(ops)
-        measured = _stage_costs(ops, schedule.num_stages)
-        sim = simulate(dataclasses.replace(schedule, stage_costs=measured, memory_budget=None))
-        per_launch.append({"step_ms": 1e3 * runs[0]["times"][step], "bubble": bubble, "sim_ms": 1e3 * sim.makespan,
-                           "peak": [r["peak"] for r in runs], "stage": [c.F + c.B + c.W for c in measured]})
-    med = lambda key: statistics.median(x[key] for x in per_launch)  # noqa: E731
+    per_launch = [figures([r[label] for r in results], schedule) for results in launches]
+    med = median_over(per_launch)
+    stage = [[c.F + c.B + c.W for c in f["stage_costs"]] for f in per_launch]
     return {"case": label, "schedule": schedule.name, "layout": ",".join(map(str, tiny.pipeline_layout)),
-            "step_ms": med("step_ms"), "bubble": med("bubble"), "sim_ms": med("sim_ms"),
-            "peak_mib": [p / 2 ** 20 for p in per_launch[0]["peak"]],
-            "stage_fbw": [statistics.median(x["stage"][s] for x in per_launch) for s in range(schedule.num_stages)]}
+            "step_ms": 1e3 * med["step_s"], "bubble": med["bubble"], "sim_ms": 1e3 * med["sim_s"],
+            "peak_mib": [p / 2 ** 20 for p in med["peak_bytes"]],
+            "stage_fbw": [statistics.median(x[s] for x in stage) for s in range(schedule.num_stages)]}
 
 
 def main(argv=None) -> int:
@@ -103,7 +78,8 @@ def main(argv=None) -> int:
             label = f"{name} {kind}"
             cases[label] = (dataclasses.replace(tiny, pipeline_layout=tuple(layout)), schedule)
             estimates[label] = (sim.makespan, [c.F + c.B + c.W for c in shape.stage_costs(layout, args.pp)])
-    launches = [launch(_rank, args.pp, (cases, args.microbatches, args.warmup, args.steps), timeout=args.timeout,
+    run = [(label, tiny_, schedule) for label, (tiny_, schedule) in cases.items()]
+    launches = [launch(run_cases, args.pp, (run, args.microbatches, args.warmup, args.steps), timeout=args.timeout,
                        backend="gloo") for _ in range(args.runs)]
     rows = [_row(label, tiny_, schedule, launches) for label, (tiny_, schedule) in cases.items()]
     print(f"tiny GPT: {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, vocab "

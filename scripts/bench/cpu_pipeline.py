@@ -4,7 +4,8 @@ For each pp, one launch of pp gloo ranks runs, per schedule, --warmup + --steps 
 all from ONE step, the median one by step time (so a row's figures describe the same step):
   step ms        wall time of that step (slowest rank, ranks released together by a barrier)
   bubble         measured: 1 - busiest rank's op time / makespan, from recorded op start/end times
-  sim bubble     the simulator's bubble rate for the same op lists fed with the measured op costs
+  sim bubble     the simulator's bubble rate for the same op lists fed with that step's measured
+                 per-stage op costs (megatron_vshape/testing/timed_steps.py)
   overhead       measured makespan / simulated makespan (same measured costs)
   peak bytes     bytes of tensors saved for backward, per rank (max over ranks shown, and per rank in CSV)
 The makespan (first op start to last op end, all ranks) lies inside the step; a row where it does
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
-import statistics
 import sys
 import time
 
@@ -30,53 +29,9 @@ quiet_megatron_notices()  # before the imports below pull in megatron-core (here
 
 from megatron_vshape.integration.launch import launch  # noqa: E402
 from megatron_vshape.schedule import registry  # noqa: E402
+from megatron_vshape.testing.timed_steps import SIZES, barrier_time, figures, median_step, run_steps, slowest  # noqa: E402
 
 TORCH_SCHEDULES = ("torch-zbv", "torch-1f1b")
-
-
-def _barrier_time():
-    import torch.distributed as dist
-
-    dist.barrier()
-    return time.perf_counter()
-
-
-def _slowest(seconds: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _ours(tiny, name, pp, m, warmup, steps, schedule=None):
-    """`name` by the registry, or `schedule` as built (e.g. planned for tiny.pipeline_layout)."""
-    from megatron_vshape.runtime.executor import get_forward_backward_func
-    from megatron_vshape.runtime.stats import Recorder
-    from megatron_vshape.testing.tiny_gpt import build_chunks, data_iterators, forward_step, init_parallel
-
-    placement = (schedule or registry.build(name, pp, m)).placement
-    init_parallel(1, pp, placement, seed=tiny.seed)
-    chunks = build_chunks(tiny, placement)
-    recorder = Recorder()
-    step_fn = get_forward_backward_func(schedule or name, stats=recorder)
-    # Each measured step keeps its own op times: a row must not mix one step's makespan with
-    # another step's (or a median's) step time.
-    times, ops = [], []
-    for step in range(warmup + steps):
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
-        recorder.ops.clear()
-        t0 = _barrier_time()
-        step_fn(forward_step_func=forward_step, data_iterator=data_iterators(tiny, step, m, len(chunks)),
-                model=chunks, num_microbatches=m, seq_length=tiny.seq_length,
-                micro_batch_size=tiny.micro_batch_size)
-        elapsed = _slowest(time.perf_counter() - t0)
-        if step >= warmup:
-            times.append(elapsed)
-            ops.append([(k, mb, s, a - t0, b - t0) for k, mb, s, a, b in recorder.ops])
-    return {"times": times, "ops": ops, "peak": recorder.peak_bytes}
 
 
 class _TorchStage:
@@ -135,10 +90,10 @@ def _torch(tiny, name, pp, m, warmup, steps):
         labels = torch.cat([b["labels"] for b in mbs])
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
-        t0 = _barrier_time()
+        t0 = barrier_time()
         with recorder.saved_tensors():
             schedule.step(*((tokens,) if holds_first else ()), target=labels if holds_last else None)
-        elapsed = _slowest(time.perf_counter() - t0)
+        elapsed = slowest(time.perf_counter() - t0)
         if step >= warmup:
             times.append(elapsed)
     return {"times": times, "ops": None, "peak": recorder.peak_bytes}
@@ -147,42 +102,9 @@ def _torch(tiny, name, pp, m, warmup, steps):
 def _rank(rank, world_size, tiny, m, names, warmup, steps):
     out = {}
     for name in names:
-        run = _torch if name in TORCH_SCHEDULES else _ours
+        run = _torch if name in TORCH_SCHEDULES else run_steps
         out[name] = run(tiny, name, world_size, m, warmup, steps)
     return out
-
-
-def _measured(per_rank_ops):
-    """(makespan, bubble rate, mean op costs by kind) from every rank's (kind, mb, stage, start, end)."""
-    start = min(o[3] for ops in per_rank_ops for o in ops)
-    end = max(o[4] for ops in per_rank_ops for o in ops)
-    busy = max(sum(o[4] - o[3] for o in ops) for ops in per_rank_ops)
-    by_kind = {}
-    for ops in per_rank_ops:
-        for kind, _, _, a, b in ops:
-            by_kind.setdefault(kind, []).append(b - a)
-    mean = {k: statistics.mean(v) for k, v in by_kind.items()}
-    return end - start, 1 - busy / (end - start), mean
-
-
-def _simulated(name, pp, m, mean):
-    from megatron_vshape.schedule.ops import Costs
-    from megatron_vshape.schedule.simulate import simulate
-
-    schedule = registry.build(name, pp, m)
-    if "BW" in mean:  # no split: give B and W halves of the measured combined backward
-        b = w = mean["BW"] / 2
-    else:
-        b, w = mean["B"], mean["W"]
-    schedule = dataclasses.replace(schedule, costs=Costs(mean["F"], b, w, 0.0))
-    return simulate(schedule)
-
-
-def median_step(times):
-    """Index of the median step (the lower one of an even count).  Step times are all-reduced,
-    so every rank picks the same step."""
-    order = sorted(range(len(times)), key=lambda i: times[i])
-    return order[(len(order) - 1) // 2]
 
 
 def check_row(row):
@@ -199,16 +121,16 @@ def bench(pp, m, tiny, names, warmup, steps, timeout):
     base = results[0]["1f1b"]["peak"] if "1f1b" in names else None
     for name in names:
         runs = [r[name] for r in results]
-        step = median_step(runs[0]["times"])
-        row = {"pp": pp, "microbatches": m, "schedule": name,
-               "step_ms": 1e3 * runs[0]["times"][step],
-               "peak_bytes": [r["peak"] for r in runs]}
-        row["peak_vs_1f1b"] = max(row["peak_bytes"]) / base if base else None
-        if runs[0]["ops"] is not None:
-            makespan, bubble, mean = _measured([r["ops"][step] for r in runs])
-            sim = _simulated(name, pp, m, mean)
-            row.update(bubble=bubble, sim_bubble=sim.bubble_rate, overhead=makespan / sim.makespan,
-                       makespan_ms=1e3 * makespan, sim_makespan_ms=1e3 * sim.makespan)
+        peak = [r["peak"] for r in runs]
+        row = {"pp": pp, "microbatches": m, "schedule": name, "peak_bytes": peak,
+               "peak_vs_1f1b": max(peak) / base if base else None}
+        if runs[0]["ops"] is None:  # torch's schedules: step time only
+            row["step_ms"] = 1e3 * runs[0]["times"][median_step(runs[0]["times"])]
+        else:  # the simulator fed with the same step's measured per-stage op costs
+            f = figures(runs, registry.build(name, pp, m))
+            row.update(step_ms=1e3 * f["step_s"], bubble=f["bubble"], sim_bubble=f["sim_bubble"],
+                       overhead=f["makespan_s"] / f["sim_s"], makespan_ms=1e3 * f["makespan_s"],
+                       sim_makespan_ms=1e3 * f["sim_s"])
         rows.append(check_row(row))
     return rows
 
@@ -237,11 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=positive_int, nargs="+", default=[2, 4])
     p.add_argument("--microbatches", type=positive_int, default=None, help="default 2*pp")
     p.add_argument("--layers-per-stage", type=positive_int, default=1, help="layers per V stage (a 1F1B stage holds twice that)")
-    # Big enough that an op takes milliseconds: with smaller ops, Python and gloo latency per
-    # op dominate and the overhead column measures the CPU transport, not the executor.
-    p.add_argument("--hidden-size", type=positive_int, default=256)
-    p.add_argument("--seq-length", type=positive_int, default=256)
-    p.add_argument("--micro-batch-size", type=positive_int, default=2)
+    p.add_argument("--hidden-size", type=positive_int, default=SIZES["hidden_size"])  # ops of milliseconds
+    p.add_argument("--seq-length", type=positive_int, default=SIZES["seq_length"])
+    p.add_argument("--micro-batch-size", type=positive_int, default=SIZES["micro_batch_size"])
     p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--warmup", type=nonnegative_int, default=1)
     p.add_argument("--schedules", nargs="+", default=None, help="default: every registered schedule and torch's")
