@@ -37,7 +37,8 @@ $(STAMP019): requirements-cpu.txt requirements-mcore019.txt setup.py
 .PHONY: demo test test-mcore016 test-mcore019 env
 env: $(STAMP)
 
-# Trains a tiny GPT on 4 CPU processes under V-Half, then 1F1B, and compares their memory.
+# Trains a tiny GPT on 4 CPU processes under V-Half, then 1F1B, and compares their memory; then
+# compares speed at pp=2 (1F1B, V-Half, V-ZB), where each rank can have its own core.
 demo: $(STAMP)
 	$(VENV)/bin/python scripts/quickstart.py
 

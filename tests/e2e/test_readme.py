@@ -8,8 +8,9 @@ touching this file; the only commands not run are those matching SKIP (slow or n
 this machine does not have, each with its reason) or PLACEHOLDER (not meant to run as printed).
 
 The deterministic figures the README quotes (losses, bytes, ratios) are compared with what the
-commands print today: the `verify` example's whole table, and the quickstart's losses and per-rank
-activation memory (the driver's own summary of the same runs).
+commands print today: the `verify` example's whole table, the quickstart's losses and per-rank
+activation memory (the driver's own summary of the same runs), and its speed section's heading
+and per-rank memory (the same launches, one step each); its times are a sample, labelled so.
 """
 import argparse
 import os
@@ -33,6 +34,8 @@ SKIP = [
     (r"scripts/bench/schedules\.py", "simulates the whole benchmark grid (minutes)"),
     (r"scripts/bench/report\.py", "reads the logs of a sweep that the skipped commands above produce"),
     (r"megatron-vshape profile\b", "reads the per-rank stats files a training run dumps"),
+    (r"megatron-vshape frontier .*--model\b", "plans and balances v-auto at every budget (a minute or more on a "
+     "loaded machine); tests/unit/test_cli.py runs frontier --model on a smaller problem"),
     (r"\bpip install\b|\bgit (clone|apply)\b|\bcd /", "installs or changes software outside this repository"),
 ]
 PLACEHOLDER = re.compile(r"/path/to/|<[^<>\s]+>|<[A-Z][^<>]*>|\s\.\.\.(\s|$)")
@@ -192,3 +195,26 @@ def test_quickstart_losses_and_memory_are_what_the_driver_prints():
     for r, (a, b) in enumerate(zip(ours["peak_activation_bytes"], base["peak_activation_bytes"])):
         row = f"{r:>4}  {a / 2**20:>8.2f} MiB  {b / 2**20:>8.2f} MiB  {a / max(base['peak_activation_bytes']):>12.2f}"
         assert row in quoted, row
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_speed_section_is_what_the_demo_prints():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(ROOT, "scripts", "quickstart.py"))
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    quoted = _block("schedule picture: out/quickstart-v-half-pp4-m8.svg")
+    lines = quoted.splitlines()
+    heading = next(line for line in lines if line.startswith("3) speed"))
+    m = re.search(r"(\d+) launches of \d+ processes x (\d+) steps each", heading)
+    assert heading == quickstart.speed_heading(int(m.group(1)), int(m.group(2)))
+    assert int(m.group(1)) > 1 and int(m.group(2)) > 1  # the median of several steps and of more than one run
+    rows = quickstart.speed(runs=1, steps=1, warmup=0)  # memory does not depend on how long it runs
+    table = lines[lines.index(heading) + 1:]
+    assert table[0].split()[:3] == ["schedule", "step", "ms"]
+    for name, row in zip(quickstart.SPEED_SCHEDULES, table[1:]):
+        cells = row.split()
+        assert cells[0] == name and len(cells) == 6 + quickstart.SPEED_PP, row
+        assert cells[6:] == [f"{b / 2 ** 20:.2f}" for b in rows[name]["peak_bytes"]], (name, rows[name])
+    assert float(table[1].split()[2]) == float(table[1].split()[3]) == 1.0  # 1F1B against itself
