@@ -15,7 +15,6 @@ scripts/bench/cpu_pipeline.py).  Exit status: the first failing run's.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_vshape.argtypes import Parser, positive_int  # noqa: E402
 from megatron_vshape.testing import timed_steps  # noqa: E402  (no torch: cores() and the sizes)
 
 BASELINE = "1f1b"
@@ -123,15 +123,17 @@ def print_speed(rows: dict, runs: int, steps: int, cores: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny", "tiny-cpu.yaml"))
     ap.add_argument("--schedule", default="v-half")
     ap.add_argument("--iters", type=int, default=30, help="training iterations of the main run")
     ap.add_argument("--baseline-iters", type=int, default=3, help="iterations of the 1F1B run (memory only)")
     ap.add_argument("--nproc", type=int, default=4, help="processes (= pipeline size in the config)")
     ap.add_argument("--out", default=os.path.join(ROOT, "out"))
-    ap.add_argument("--speed-runs", type=int, default=3, help="launches of the pp=2 speed comparison (median over them)")
-    ap.add_argument("--speed-steps", type=int, default=5, help="measured steps per schedule and launch (median)")
+    ap.add_argument("--speed-runs", type=positive_int, default=3,
+                    help="launches of the pp=2 speed comparison (the median over them)")
+    ap.add_argument("--speed-steps", type=positive_int, default=5,
+                    help="measured steps per schedule and launch (the median)")
     args = ap.parse_args(argv)
 
     import yaml
