@@ -64,7 +64,10 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="activation memory cap per rank relative to 1F1B's rank 0 (1.0 = 1F1B); with "
                         "--pipeline-schedule auto the fastest schedule whose peak fits is chosen")
     g.add_argument("--pipeline-replan-after", type=int, default=None, metavar="N",
-                   help="at iteration N, re-plan the schedule from the op times measured so far")
+                   help="after iteration N, re-plan the schedule's order from the op times measured in it (the "
+                        "numbers stay bit for bit the same); with --pipeline-balance auto, re-balance the layout from "
+                        "them too: moving layers between ranks moves their weights and optimizer state, so iteration N "
+                        "is saved to --save, the chunks rebuilt for the new layout and the checkpoint loaded")
     g.add_argument("--pipeline-layout", default=None, metavar="N0,N1,...",
                    help="transformer layers of each stage in model order (the V's 2p stages: rank r holds stages r "
                         "and 2p-1-r), e.g. 3,4,4,4,4,4,4,3; Megatron's E|t*4|...|t*3L syntax is read too "

@@ -72,6 +72,10 @@ def check_combinations(args) -> None:
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise ConfigError(f"--max-position-embeddings={args.max_position_embeddings} is below --seq-length="
                           f"{args.seq_length}; raise it, or leave it unset (default: --seq-length)")
+    after = getattr(args, "pipeline_replan_after", None)
+    if after is not None and after >= args.train_iters:
+        raise ConfigError(f"--pipeline-replan-after={after} is not below --train-iters={args.train_iters}: no iteration "
+                          f"would run what it re-plans; use an iteration from 1 to {args.train_iters - 1}")
     for dest, needs in (("load_fallback", "load"), ("ckpt_step", "load"), ("save_retain", "save")):
         value = getattr(args, dest, None)
         if value not in (None, False) and not getattr(args, needs, None):

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
-from . import gpu_defaults, startup
+from . import gpu_defaults, rebalance, startup
 from .args import TE_MIN_FOR_SPLIT, _te_version, add_pipeline_arguments, validate_pipeline_args
 from .divergence import Counters, Diverged, json_safe
 from .divergence import add_arguments as add_divergence_arguments
@@ -231,6 +231,10 @@ def validate(args, world_size: Optional[int] = None):
         raise ConfigError("--save/--load: checkpointing (megatron_vshape.integration.checkpoint) is not available "
                           "in this version")
     startup.check_combinations(args)
+    if plan is None and args.pipeline_replan_after is not None:
+        raise ConfigError(f"--pipeline-replan-after={args.pipeline_replan_after} re-plans a pipeline schedule; it needs "
+                          f"--pipeline-model-parallel-size >= 2 (got {args.pipeline_model_parallel_size}): unset it")
+    rebalance.check(args)
     startup.check_paths(args)  # last: the cheap mistakes first, then the file system
     return plan
 
@@ -622,9 +626,7 @@ def run(args, plan) -> dict:
         _print0("  " + plan.balance.replace("\n", "\n  "))
     if plan and plan.source:
         _print0(f"  schedule read from --pipeline-schedule-file {plan.source} (verified)")
-    chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward),
-                                 stage_layers=plan.stage_layers if plan else None)
-    chunks, optimizer, scheduler = build_optimizer(args, chunks, config, device)
+    chunks, optimizer, scheduler = _model_and_optimizer(args, plan, placement, device)
     recorders = _Recorders()
     fb = forward_backward_func(args, plan, recorders, device)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size \
@@ -646,10 +648,25 @@ def run(args, plan) -> dict:
     peaks = {"act": 0, "total": 0, "act_at_peak": 0, "buffers": 0}  # bytes, this rank, over the steps
     window = {"time": 0.0, "iters": 0}
     eval_round = 0
-    replanned = None
+    replanned, saved_at = None, None
     counters = Counters(args.check_for_nan_in_loss_and_grad, args.fp16)
     for it in range(start_iter, args.train_iters):
-        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
+        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter and plan.balance:
+            new, replanned, report = rebalance.rebalance(args, plan, recorders, device, it)
+            _print0(report)
+            if replanned["changed"]:  # at a checkpoint: save, rebuild for the new layout, load (rebalance.py)
+                if saved_at != it:
+                    ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
+                                         extra={"consumed_samples": it * args.global_batch_size},
+                                         retain=args.save_retain, keep=resumed)
+                del chunks, optimizer, scheduler
+                _release_memory(device)
+                chunks, optimizer, scheduler = _model_and_optimizer(args, new, placement, device)
+                ckpt.load_checkpoint(args.save, chunks, optimizer, scheduler, step=it)
+                _print0(rebalance.restart_hint(args, new, it))
+            plan = args.plan = new
+            fb = forward_backward_func(args, plan, recorders, device)
+        elif plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
             replanned = _replan(fb, it)
         batches = _microbatches(args, data.train, it, dp_rank, device)
         optimizer.zero_grad()
@@ -696,10 +713,29 @@ def run(args, plan) -> dict:
             ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
                                  extra={"consumed_samples": (it + 1) * args.global_batch_size},
                                  retain=args.save_retain, keep=resumed)
+            saved_at = it + 1
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
     summary = _summary(args, plan, history, peaks, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary
+
+
+def _model_and_optimizer(args, plan, placement, device):
+    """This rank's chunks for the plan's layout, wrapped and with their optimizer and scheduler."""
+    chunks, config = build_model(args, placement, device, split_backward=bool(plan and plan.schedule.split_backward),
+                                 stage_layers=plan.stage_layers if plan else None)
+    return build_optimizer(args, chunks, config, device)
+
+
+def _release_memory(device) -> None:
+    """Free the chunks just dropped before their successors are built (one model's memory at a time)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _replan(fb, iteration: int) -> dict:

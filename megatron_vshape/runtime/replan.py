@@ -115,6 +115,13 @@ def agree(rows: List[List[float]], group=None, device=None) -> List[List[float]]
     return total.cpu().tolist()
 
 
+def measured(stats, num_stages: int, group=None, device=None) -> Tuple[StageCost, ...]:
+    """Per-stage costs of the step `stats` (a Recorder) recorded, agreed over `group` (one
+    all_gather, the same table on every rank): seconds, and sizes relative to the median stage."""
+    rows = tally(stats.ops, num_stages, stats.saved_by_stage)
+    return stage_costs(agree(rows, group, device if device is not None and device.type != "cpu" else None))
+
+
 def replan_executor(ex, group=None, hop_latency: float = 0.0) -> Schedule:
     """The executor's `replan()`: its recorder's per-stage tallies agreed over `group` (one
     all_gather), the schedule rebuilt by name under those stage costs (C = `hop_latency`
@@ -128,8 +135,7 @@ def replan_executor(ex, group=None, hop_latency: float = 0.0) -> Schedule:
     name = ex.schedule if isinstance(ex.schedule, str) else ex.schedule.name
     registry.generator(name)  # re-planning rebuilds by name: a registered schedule only
     current = ex._plan(pp, m, False, rank)[0]
-    rows = tally(ex.stats.ops, current.num_stages, ex.stats.saved_by_stage)
-    table = stage_costs(agree(rows, group, device if device.type != "cpu" else None))
+    table = measured(ex.stats, current.num_stages, group, device)
     k = current.placement.chunks  # Costs are per rank's share: a stage of k chunks holds 1/k of it
     mean = lambda kind: sum(getattr(c, kind) for c in table) / len(table) * k  # noqa: E731
     ex.costs = Costs(mean("F"), mean("B"), mean("W"), hop_latency)

@@ -89,27 +89,85 @@ class ModelShape:
         dense_grad = 2.0 * self.vocab_size * h / tokens / self.tensor_model_parallel_size
         return 2.0 * h, 0.0, 2.0 * h + dense_grad, 0.0
 
+    def parts(self) -> "PartCosts":
+        """The estimate as the costs of the model's parts (per token: only ratios matter)."""
+        return PartCosts(self.num_layers, Part(*self.layer()), Part(*self.embedding()), Part(*self.head()))
+
     def stage_costs(self, layout: Sequence[int], pp: int) -> Tuple[StageCost, ...]:
-        """Estimated StageCost of every stage of `layout` (model order) at `pp` ranks: times in units
-        of one rank's share's F (L/p plain layers: what `--costs` means), sizes relative to a plain stage."""
-        S = len(layout)
-        f, b, w, act = self.layer()
-        unit_t, unit_m = self.num_layers / pp * f, self.num_layers / S * act
+        return self.parts().stage_costs(layout, pp)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part's F, B and W time and activation size for one microbatch, in any consistent units."""
+
+    F: float
+    B: float
+    W: float
+    size: float
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """What a stage is made of: `layer` per transformer layer, the embedding on stage 0 and the output
+    layer with the loss (`head`) on the last stage.  From the model's shape (ModelShape.parts) or
+    from the per-stage times a run measured (`measured_parts`); `balance` reads either."""
+
+    num_layers: int
+    layer: Part
+    embedding: Part
+    head: Part
+
+    def stage_costs(self, layout: Sequence[int], pp: int) -> Tuple[StageCost, ...]:
+        """StageCost of every stage of `layout` (model order) at `pp` ranks: times in units of one
+        rank's share's F (L/p plain layers: what `--costs` means), sizes relative to a plain stage."""
+        S, one = len(layout), self.layer
+        unit_t, unit_m = self.num_layers / pp * one.F, self.num_layers / S * one.size
         out = []
         for s, n in enumerate(layout):
-            parts = [(n * f, n * b, n * w, n * act)]
-            if s == 0:
-                parts.append(self.embedding())
-            if s == S - 1:
-                parts.append(self.head())
-            F, B, W, M = (sum(p[i] for p in parts) for i in range(4))
-            out.append(StageCost(F / unit_t, B / unit_t, W / unit_t, M / unit_m))
+            parts = [Part(n * one.F, n * one.B, n * one.W, n * one.size)]
+            parts += [self.embedding] * (s == 0) + [self.head] * (s == S - 1)
+            F, B, W, M = (sum(getattr(p, k) for p in parts) for k in ("F", "B", "W", "size"))
+            out.append(StageCost(F / unit_t, B / unit_t, W / unit_t, M / unit_m if unit_m > 0 else 1.0))
         return tuple(out)
+
+
+def measured_parts(table: Sequence[StageCost], layout: Sequence[int], prior: PartCosts) -> PartCosts:
+    """Per-part costs from per-stage ones a run measured under `layout` (runtime.replan's table:
+    seconds and sizes in any one unit).  A layer costs what the middle stages measured per layer
+    (a least-squares fit: their total over their layers); the embedding and the head are what
+    their end stages measured beyond their layers.  Without middle stages (one chunk per rank at
+    pp=2) the layer is solved from the end stage whose extra part `prior` (the shape's estimate)
+    says is the smaller share, with the prior's ratio of that part to a layer."""
+    S = len(layout)
+    if len(table) != S:
+        raise ConfigError(f"measured costs of {len(table)} stages for a layout of {S}; measure the run that "
+                          f"used layout {','.join(map(str, layout))}")
+    kinds = ("F", "B", "W", "size")
+    middle = [s for s in range(1, S - 1) if layout[s] > 0]
+    if middle:
+        n = sum(layout[s] for s in middle)
+        layer = Part(*(sum(getattr(table[s], k) for s in middle) / n for k in kinds))
+    else:
+        ends = [(0, prior.embedding), (S - 1, prior.head)]
+        s, extra = min(((s, e) for s, e in ends if layout[s] > 0),
+                       key=lambda se: sum(getattr(se[1], k) for k in kinds[:3]) / layout[se[0]],
+                       default=(None, None))
+        if s is None:
+            raise ConfigError(f"layout {','.join(map(str, layout))} has no stage with layers to measure a layer by")
+        # table[s] = layout[s] * layer + extra, with extra = ratio * layer (the prior's ratio)
+        layer = Part(*(getattr(table[s], k) / (layout[s] + (getattr(extra, k) / getattr(prior.layer, k)
+                                                             if getattr(prior.layer, k) else 0.0)) for k in kinds))
+
+    def beyond(s: int) -> Part:
+        return Part(*(max(0.0, getattr(table[s], k) - layout[s] * getattr(layer, k)) for k in kinds))
+
+    return PartCosts(sum(layout), layer, beyond(0), beyond(S - 1))
 
 
 @dataclass
 class Balanced:
-    """The chosen layout and its schedule, next to the even split's."""
+    """The chosen layout and its schedule, next to the even split's (or the incumbent's)."""
 
     layout: Layout
     schedule: Schedule = field(repr=False)
@@ -118,32 +176,32 @@ class Balanced:
     even_sim: SimResult = field(repr=False)
     evaluations: int = 0
 
-    def summary(self) -> str:
-        """One line per layout: layers per stage, makespan, bubble, peak per rank."""
+    def summary(self, labels: Tuple[str, str] = ("even", "balanced")) -> str:
+        """One line per layout (the kept one first): layers per stage, makespan, bubble, peak per rank."""
         def line(what, layout, sim):
             peaks = " ".join(f"{p:.2f}" for p in sim.peak_vs_1f1b)
             return (f"{what:>8} {','.join(map(str, layout))}: iteration {sim.makespan:.4g} (units of one rank's F), "
                     f"bubble {sim.bubble_rate:.1%}, peak vs 1F1B per rank {peaks}")
         gain = self.even_sim.makespan / self.sim.makespan - 1 if self.sim.makespan else 0.0
-        return "\n".join([line("even", self.even_layout, self.even_sim),
-                          line("balanced", self.layout, self.sim) + f" ({gain:+.1%} speed)"])
+        return "\n".join([line(labels[0], self.even_layout, self.even_sim),
+                          line(labels[1], self.layout, self.sim) + f" ({gain:+.1%} speed)"])
 
 
 def _valid(layout: Sequence[int]) -> bool:
     return min(layout) >= 0 and all(n >= 1 for n in layout[1:-1])
 
 
-def _towards_even_ranks(shape: ModelShape, placement: Placement) -> List[Layout]:
+def _towards_even_ranks(model, placement: Placement) -> List[Layout]:
     """Layouts from the even split towards the one whose ranks' total work (F+B+W) is most even,
     one layer moved per step: from the busiest rank's largest stage to the least busy rank's smallest."""
     S = placement.num_stages
-    path = [even(shape.num_layers, S)]
+    path = [even(model.num_layers, S)]
 
     def work(lay):
-        costs = shape.stage_costs(lay, placement.pp)
+        costs = model.stage_costs(lay, placement.pp)
         return [sum(costs[s].F + costs[s].B + costs[s].W for s in placement.stages_of(r)) for r in range(placement.pp)]
 
-    for _ in range(shape.num_layers * S):
+    for _ in range(model.num_layers * S):
         layout = path[-1]
         loads = work(layout)
         hi, lo = loads.index(max(loads)), loads.index(min(loads))
@@ -158,25 +216,29 @@ def _towards_even_ranks(shape: ModelShape, placement: Placement) -> List[Layout]
     return path
 
 
-def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Optional[Costs] = None,
-            memory_budget: Optional[float] = None, flag: str = "--pipeline-memory-budget", **options) -> Balanced:
-    """The layout of `shape.num_layers` layers for schedule `name` that minimises the simulated
+def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs] = None,
+            memory_budget: Optional[float] = None, flag: str = "--pipeline-memory-budget",
+            incumbent: Optional[Layout] = None, **options) -> Balanced:
+    """The layout of `model.num_layers` layers for schedule `name` that minimises the simulated
     iteration time within `memory_budget` (peak_vs_1f1b on every rank); ConfigError when none fits.
-    v-auto is planned at that budget (its generator's default without one): callers pass it once."""
+    `model`: a ModelShape (the estimate) or PartCosts (e.g. measured_parts).  `incumbent`: the layout
+    kept unless another simulates MIN_GAIN faster (default the even split), itself in the order
+    planned for these costs; `even_layout`/`even_sim` then report it.  v-auto is planned at that
+    budget (its generator's default without one): callers pass it once."""
     if name == "v-auto":
         options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
     placement = plain.placement
     S = placement.num_stages
-    if shape.num_layers < S - 2:
-        raise ConfigError(f"--num-layers={shape.num_layers} is too few to give each of the {S - 2} middle stages of "
+    if model.num_layers < S - 2:
+        raise ConfigError(f"--num-layers={model.num_layers} is too few to give each of the {S - 2} middle stages of "
                           f"{name} at pp={pp} a layer; use at least {S - 2}")
 
     def with_costs(schedule: Schedule, layout: Layout) -> Schedule:
         """`schedule`'s order under this layout's estimated costs; a cap it was planned for held for
         its own costs, so it is dropped (the chosen budget is checked here instead)."""
         trial = copy.copy(schedule)
-        trial.stage_costs = shape.stage_costs(layout, pp)
+        trial.stage_costs = model.stage_costs(layout, pp)
         if trial.stage_costs != schedule.stage_costs:
             trial.memory_budget = None
         return trial
@@ -185,7 +247,7 @@ def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Opt
         """The faster of: the order planned for this layout's costs, and the plain order under them."""
         options_ = [with_costs(plain, layout)]
         try:
-            options_.append(registry.build(name, pp, microbatches, costs, stage_costs=shape.stage_costs(layout, pp),
+            options_.append(registry.build(name, pp, microbatches, costs, stage_costs=model.stage_costs(layout, pp),
                                            **options))
         except ConfigError:  # the generator cannot plan for these costs (e.g. over its own memory cap)
             pass
@@ -197,11 +259,13 @@ def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Opt
     def rank(sim: SimResult):
         return (not fits(sim), sim.makespan if fits(sim) else max(sim.peak_vs_1f1b))
 
-    path = _towards_even_ranks(shape, placement)
+    path = _towards_even_ranks(model, placement)
     picks = sorted({round(i * (len(path) - 1) / (REBUILDS - 1)) for i in range(REBUILDS)}) if len(path) > 1 else [0]
     built = {path[i]: build(path[i]) for i in picks}
-    even_layout = path[0]
-    best = min(built, key=lambda lay: (rank(built[lay][1]), lay != even_layout))
+    kept = path[0] if incumbent is None else tuple(incumbent)
+    if incumbent is not None:
+        built[kept] = build(kept)
+    best = min(built, key=lambda lay: (rank(built[lay][1]), lay != kept))
     # Refine: one layer at a time off the busiest ranks' stages, scored on the best order as built.
     seen: Dict[Layout, SimResult] = {}
     base = built[best][0]
@@ -228,16 +292,18 @@ def balance(shape: ModelShape, name: str, pp: int, microbatches: int, costs: Opt
                 break
     if current != best:  # rebuilt for its own costs, or the best order kept: whichever simulates faster
         built[current] = min(build(current), (with_costs(base, current), score(current)), key=lambda b: rank(b[1]))
-    best = min(built, key=lambda lay: (rank(built[lay][1]), lay != even_layout))
-    even_sim = simulate(with_costs(plain, even_layout))
+    best = min(built, key=lambda lay: (rank(built[lay][1]), lay != kept))
+    # The even split in the order an even run uses; an incumbent in the order planned for these costs.
+    kept_schedule, kept_sim = (with_costs(plain, kept), simulate(with_costs(plain, kept))) if incumbent is None \
+        else built[kept]
     schedule, sim = built[best]
-    if fits(even_sim) and sim.makespan > even_sim.makespan * (1 - MIN_GAIN):  # not worth changing anything for
-        best, schedule, sim = even_layout, with_costs(plain, even_layout), even_sim
+    if fits(kept_sim) and sim.makespan > kept_sim.makespan * (1 - MIN_GAIN):  # not worth changing anything for
+        best, schedule, sim = kept, kept_schedule, kept_sim
     if not fits(sim):
-        raise ConfigError(f"no layout of {shape.num_layers} layers fits {flag} {memory_budget:g} with {name} at pp={pp}: "
+        raise ConfigError(f"no layout of {model.num_layers} layers fits {flag} {memory_budget:g} with {name} at pp={pp}: "
                           f"the least peak found is {max(sim.peak_vs_1f1b):.3g} of 1F1B's (layout "
                           f"{','.join(map(str, best))}); raise {flag} or pick a schedule with less memory (v-min)")
-    return Balanced(best, schedule, sim, even_layout, even_sim, len(seen) + len(built))
+    return Balanced(best, schedule, sim, kept, kept_sim, len(seen) + len(built))
 
 
 def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optional[Costs] = None,

@@ -3,9 +3,9 @@
 import pytest
 
 from megatron_vshape.schedule import layout
-from megatron_vshape.schedule.balance import ModelShape, balance
+from megatron_vshape.schedule.balance import ModelShape, Part, PartCosts, balance, measured_parts
 from megatron_vshape.schedule.errors import ConfigError
-from megatron_vshape.schedule.ops import Placement
+from megatron_vshape.schedule.ops import Placement, StageCost
 from megatron_vshape.schedule.simulate import simulate
 
 V4 = Placement("v", 4, 2)
@@ -108,3 +108,70 @@ def test_cli_compare_and_plan_take_the_model_shape(capsys, tmp_path):
     bad.write_text("num-layers: 8\nhidden-size: 64\n")
     assert main(["compare", "--pp", "2", "--microbatches", "4", "--model", str(bad)]) == 2
     assert "has no seq-length, vocab-size" in capsys.readouterr().err
+
+
+def _stages(parts, layout):
+    """Per-stage costs a run would measure under `layout` if each part cost what `parts` says."""
+    last = len(layout) - 1
+    return [StageCost(*(n * getattr(parts.layer, k) + (s == 0) * getattr(parts.embedding, k)
+                        + (s == last) * getattr(parts.head, k) for k in ("F", "B", "W", "size")))
+            for s, n in enumerate(layout)]
+
+
+def test_measured_stage_costs_split_into_the_parts_that_made_them():
+    truth = PartCosts(8, Part(1.0, 1.1, 0.9, 1.0), Part(0.1, 0.0, 0.3, 0.0), Part(5.0, 4.0, 4.5, 2.0))
+    for lay in ((2, 2, 2, 2), (1, 3, 2, 2), (0, 4, 3, 1)):  # the V at pp=2: middle stages give the layer
+        got = measured_parts(_stages(truth, lay), lay, ModelShape(8, 64, 64, 1000).parts())
+        for part in ("layer", "embedding", "head"):
+            assert list(vars(getattr(got, part)).values()) == pytest.approx(list(vars(getattr(truth, part)).values()))
+    # One chunk per rank at pp=2: no middle stage; the layer is solved with the prior's ratio of the
+    # embedding to a layer (here the truth's own), then the head is what the last stage holds beyond.
+    prior = PartCosts(8, Part(2.0, 2.2, 1.8, 2.0), Part(0.2, 0.0, 0.6, 0.0), Part(1.0, 1.0, 1.0, 1.0))
+    got = measured_parts(_stages(truth, (5, 3)), (5, 3), prior)
+    assert [got.layer.F, got.head.F, got.head.W] == pytest.approx([1.0, 5.0, 4.5])
+    with pytest.raises(ConfigError, match="measured costs of 3 stages for a layout of 4"):
+        measured_parts(_stages(truth, (2, 2, 4)), (2, 2, 2, 2), prior)
+
+
+def test_measured_costs_feed_the_same_search_and_keep_the_incumbent_without_a_real_gain():
+    heavy = PartCosts(8, Part(1.0, 1.0, 1.0, 1.0), Part(0.0, 0.0, 0.0, 0.0), Part(6.0, 5.0, 5.0, 1.0))
+    moved = balance(heavy, "v-half", 2, 8, incumbent=(2, 2, 2, 2))
+    assert moved.even_layout == (2, 2, 2, 2) and moved.layout != (2, 2, 2, 2)
+    assert moved.layout[0] + moved.layout[-1] < 4 and moved.sim.makespan < moved.even_sim.makespan
+    assert "current 2,2,2,2" in moved.summary(("current", "re-balanced"))
+    # Measured costs that the incumbent already suits: it stays.
+    assert balance(heavy, "v-half", 2, 8, incumbent=moved.layout).layout == moved.layout
+    light = PartCosts(8, Part(1.0, 1.0, 1.0, 1.0), Part(0.0, 0.0, 0.0, 0.0), Part(0.01, 0.01, 0.01, 0.0))
+    assert balance(light, "v-half", 2, 8, incumbent=(2, 2, 2, 2)).layout == (2, 2, 2, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-replan-after", "2"], "--pipeline-replan-after=2 with --pipeline-balance auto re-balances the layout "
+                                       "at a checkpoint"),
+    (["--pipeline-replan-after", "4", "--save", "SAVE"], "--pipeline-replan-after=4 is not below --train-iters=4"),
+    (["--pipeline-replan-after", "2", "--save", "SAVE", "--pipeline-layout", "1,3,3,1"],
+     "--pipeline-balance auto chooses every stage's layers; unset --pipeline-layout"),
+])
+def test_rebalancing_refuses_what_it_cannot_do_before_any_group(argv, message, tmp_path, capsys, monkeypatch):
+    from megatron_vshape.integration import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: main() exits before any group exists
+
+    argv = [str(tmp_path / "ckpt") if a == "SAVE" else a for a in argv]
+    base = ["--mock-data", "--vocab-size", "63", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "4", "--train-iters", "4", "--pipeline-schedule", "v-half",
+            "--pipeline-balance", "auto"]
+    with pytest.raises(ConfigError) as e:
+        train.validate(train.parse_args(base + argv), world_size=2)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert train.main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replan_after_needs_a_pipeline():
+    from megatron_vshape.integration import train
+
+    args = train.parse_args(["--mock-data", "--vocab-size", "63", "--pipeline-replan-after", "1"])
+    with pytest.raises(ConfigError, match=r"--pipeline-replan-after=1 re-plans a pipeline schedule; it needs "
+                                          r"--pipeline-model-parallel-size >= 2 \(got 1\)"):
+        train.validate(args, world_size=1)
