@@ -70,8 +70,9 @@ def megatron_layout_args(args, stages: Optional[layout.Layout], placement: Place
 
 
 def model_shape(args):
-    """The model's shape for the stage-cost estimate, from Megatron-LM's attribute names."""
-    from ..schedule.balance import ModelShape
+    """The model's shape for the stage-cost estimate, from Megatron-LM's attribute names; the machine is
+    `args.pipeline_machine` (the driver sets "cpu" without CUDA; Megatron-LM runs on GPUs)."""
+    from ..schedule.balance import MACHINES, ModelShape
 
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
     missing = [f for f, v in (("--hidden-size", getattr(args, "hidden_size", None)),
@@ -79,9 +80,11 @@ def model_shape(args):
     if missing:
         raise ConfigError(f"--pipeline-balance auto estimates stage costs from the model's shape; give "
                           f"{', '.join(missing)}")
+    dtype_bytes = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4
     return ModelShape(args.num_layers, args.hidden_size, args.seq_length, vocab,
                       getattr(args, "ffn_hidden_size", None), getattr(args, "tensor_model_parallel_size", None) or 1,
-                      getattr(args, "micro_batch_size", None) or 1)
+                      getattr(args, "micro_batch_size", None) or 1, dtype_bytes,
+                      MACHINES[getattr(args, "pipeline_machine", None) or "gpu"])
 
 
 def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path: Optional[str]):

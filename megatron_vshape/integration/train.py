@@ -192,6 +192,7 @@ def validate(args, world_size: Optional[int] = None):
     startup.check_numbers(args)  # each flag alone first: a cross-flag message never blames the wrong one
     if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None and not args.pipeline_schedule_file:
         args.pipeline_schedule = "1f1b"
+    args.pipeline_machine = "gpu" if torch.cuda.is_available() else "cpu"  # what --pipeline-balance auto prices
     plan = validate_pipeline_args(args)  # layers per stage too (integration/layout.py)
     if plan is None and given_split(args):
         raise ConfigError(f"{', '.join(given_split(args))}: splits layers over pipeline stages; it needs "

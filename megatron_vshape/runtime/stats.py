@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -43,7 +43,10 @@ class _Hold:
 
 
 class Recorder:
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        # CPU ops' clock: time.thread_time instead times the compute thread's CPU time, which
+        # other processes on a shared machine do not inflate (durations only: no common origin).
+        self.clock = clock
         self.ops: List[Tuple[str, int, int, float, float]] = []
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -116,9 +119,9 @@ class Recorder:
     def op(self, kind: str, microbatch: int, stage: int, device: torch.device) -> Iterator[None]:
         before = self.current_bytes
         if device.type == "cpu":
-            start = time.perf_counter()
+            start = self.clock()
             yield
-            self.ops.append((kind, microbatch, stage, start, time.perf_counter()))
+            self.ops.append((kind, microbatch, stage, start, self.clock()))
         else:  # kernels run asynchronously: time them on the stream, read after the step
             begin, end = _timing_event(device), _timing_event(device)
             begin.record()

@@ -1,19 +1,42 @@
 """Stage costs from the model's shape, and the layout that minimises the simulated iteration time.
 
-The estimate (pure arithmetic, per token of one microbatch, divided by tensor parallelism tp):
+The estimate: each op of each part of the model (a transformer layer, the embedding, the output
+layer with the loss) takes
 
-* a transformer layer: its GEMMs cost G = 2(4h^2 + 2h*ffn) FLOPs forward (QKV and output
-  projection, the two MLP matrices), attention's two batched matmuls A = 4sh.  F = G + A;
-  B = G + 2A (input gradients of the GEMMs, and both operands of the attention matmuls: no
-  weights there); W = G (weight gradients of the GEMMs only).  Activation: 34h bytes (16-bit
-  training without recomputation, with flash attention: Korthikanti et al. 2022's count).
-* the output layer: one GEMM of 2hV FLOPs in each of F, B and W.  The loss (softmax cross-entropy
-  over V logits, memory-bound): counted as LOSS_FLOPS_PER_VOCAB * V FLOP-equivalents in F and
-  in B.  Activation: the fp32 logits kept for the loss's backward, 4V bytes.
-* the embedding: a lookup (F, 2h) and its weight gradient (W): a scatter-add (2h) into a dense
-  V x h gradient that is cleared and accumulated once per microbatch, 2Vh / (s * micro batch) per
-  token (small on GPUs' long sequences, visible on small CPU runs).  Its output is the first
-  layer's input, already counted there.
+    GEMM FLOPs / machine.flops  +  bytes moved / machine.bandwidth  +  operators * machine.op_overhead
+
+per microbatch of T = seq_length * micro_batch_size tokens, divided by tensor parallelism tp.  FLOPs
+alone over-price the output layer wherever the rest of a layer is not negligible: on the CPU runs
+of this repository (hidden 128-512) a layer's normalisations, activations and its ~50 dispatched
+operators per op cost as much as its GEMMs, while the output layer is a few large GEMMs; and they
+under-price it on GPUs, where the fp32 loss over a 128k vocabulary streams as long as its GEMM.
+
+* a layer: GEMMs 2(4h^2 + 2h*ffn) FLOPs per token in each of F, B (input gradients) and W (weight
+  gradients); attention's two batched matmuls 4sh in F and twice that in B (no weights: nothing in
+  W).  Bytes: its activations (LAYER_ACT_PER_H * h elements per token of the training dtype,
+  Korthikanti et al. 2022's 34h bytes at 16 bits, flash attention) written and read once in F,
+  read with their gradients written in B (three passes); in W the weight gradients accumulated
+  (write, read both, write: three fp32 passes) unless the GEMM accumulates them itself (megatron's
+  gradient-accumulation fusion on GPUs).
+* the output layer and the loss: the logits GEMM 2hV per token in each of F, B and W.  The loss
+  works on fp32 logits (megatron-core's vocab-parallel cross-entropy): F reads and writes them
+  LOSS_PASSES_F times (upcast, max, subtract, exp, sum, normalise into the softmax kept for
+  backward), B LOSS_PASSES_B times (the one-hot update and the scaling by the loss gradient), plus
+  the casts to and from a 16-bit dtype.  W accumulates the V x h weight gradient as a layer does.
+  Activation: the fp32 softmax kept for the backward, 4V bytes per token.
+* the embedding: a lookup in F; in B (autograd's backward, not a deferred W: only linear layers
+  defer their weight gradient) a dense V x h gradient added into the parameter's: the accumulated
+  gradient read and written (two fp32 passes over V x h per microbatch, whatever the sequence;
+  the new one is zero-filled lazily and touched on T rows only).  How much of that memory is
+  already mapped depends on the allocator, so this part is the least certain (README's check).
+* operators: what megatron-core's local GPT layer spec dispatches per op (aten operators, counted
+  with a TorchDispatchMode on the CPU runs): LAYER_OPS, HEAD_OPS, EMBEDDING_OPS.
+
+Machines: GPU (default: H100/H200-class bf16 dense peak and HBM bandwidth; kernels are launched
+ahead of their execution, so operators add nothing) and CPU (this repository's fp32 CPU runs, one
+thread per rank: GEMM throughput, the effective bandwidth of writing large fresh tensors, and the
+cost of one dispatched operator inside megatron-core modules with autograd, each measured alone
+by a microbenchmark on the development machine; README "Sizing the stages" quotes the check).
 
 Stage s of a layout holds n_s layers plus the embedding (stage 0) and the output layer with the
 loss (last stage).  Times are in units of the F of one rank's share of plain layers (L/p, what
@@ -40,16 +63,44 @@ from .layout import Layout, even
 from .ops import Costs, Placement, Schedule, StageCost
 from .simulate import SimResult, simulate
 
-LOSS_FLOPS_PER_VOCAB = 10.0  # softmax, log and their gradient per logit: a rough memory-bound figure
-LAYER_ACT_BYTES_PER_H = 34.0
+LAYER_ACT_PER_H = 17.0  # activation elements per token per unit of hidden size (34h bytes at 16 bits)
+LOSS_PASSES_F, LOSS_PASSES_B = 8, 2  # reads + writes of the fp32 logits by the loss (module docstring)
+GRAD_ACCUMULATION_PASSES = 3  # fp32 passes to add a weight gradient into the parameter's (unfused)
+EMBEDDING_GRAD_PASSES = 2  # read and write the accumulated V x h gradient
+# Aten operators megatron-core's local GPT spec dispatches per microbatch in (F, B, W).
+LAYER_OPS, HEAD_OPS, EMBEDDING_OPS = (48, 57, 21), (48, 28, 5), (6, 4, 0)
 MAX_EVALUATIONS = 300  # simulations the local refinement may spend
 MIN_GAIN = 0.005  # a layout must simulate this much faster than the even split to be chosen
 REBUILDS = 4  # layouts on the way to even ranks that are planned and simulated
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What an op's time is made of on a device (module docstring)."""
+
+    name: str
+    flops: float  # GEMM FLOP/s in the training dtype
+    bandwidth: float  # bytes/s streaming large tensors
+    op_overhead: float  # seconds one dispatched operator costs beyond its work
+    fused_grad_accumulation: bool  # weight-gradient GEMMs accumulate into the fp32 gradient themselves
+
+    def seconds(self, flops: float, moved: float, ops: int) -> float:
+        return flops / self.flops + moved / self.bandwidth + ops * self.op_overhead
+
+
+# H100/H200 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s (H100's HBM3; H200's 4.8 would price memory lower).
+GPU = Machine("gpu", 989e12, 3.35e12, 0.0, True)
+# One core of the development CPU, fp32: GEMMs at the layers' and the output layer's shapes 80-98
+# GFLOP/s; writing large freshly allocated tensors 6-40 GB/s (first touch of new pages included);
+# an aten operator inside megatron-core modules with autograd ~20 us (a hidden-32 layer: 1.1 ms for
+# its 48 forward operators, its GEMMs negligible).
+CPU = Machine("cpu", 90e9, 10e9, 20e-6, False)
+MACHINES = {m.name: m for m in (GPU, CPU)}
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """What the estimate reads: GPT sizes as Megatron names them."""
+    """What the estimate reads: GPT sizes as Megatron names them, the training dtype's bytes and the machine."""
 
     num_layers: int
     hidden_size: int
@@ -58,10 +109,12 @@ class ModelShape:
     ffn_hidden_size: Optional[int] = None
     tensor_model_parallel_size: int = 1
     micro_batch_size: int = 1
+    dtype_bytes: int = 2
+    machine: Machine = GPU
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "tensor_model_parallel_size",
-                     "micro_batch_size"):
+                     "micro_batch_size", "dtype_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be a whole number >= 1 for the "
@@ -71,26 +124,47 @@ class ModelShape:
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def tokens(self) -> int:
+        return self.seq_length * self.micro_batch_size
+
+    def _accumulate(self, weights: float) -> float:
+        """Bytes the W op moves to add `weights` fp32 gradients into the parameters' ones."""
+        return 0.0 if self.machine.fused_grad_accumulation else GRAD_ACCUMULATION_PASSES * 4.0 * weights
+
+    def _cast(self, elements: float) -> float:
+        """Bytes of a cast between fp32 and the training dtype (none when that is fp32)."""
+        return 0.0 if self.dtype_bytes == 4 else (4.0 + self.dtype_bytes) * elements
+
     def layer(self) -> Tuple[float, float, float, float]:
-        """(F, B, W, activation bytes) of one transformer layer, per token."""
-        h, tp = self.hidden_size, self.tensor_model_parallel_size
-        gemm = 2.0 * (4 * h * h + 2 * h * self.ffn) / tp
-        attn = 4.0 * self.seq_length * h / tp
-        return gemm + attn, gemm + 2 * attn, gemm, LAYER_ACT_BYTES_PER_H * h / tp
+        """(F, B, W seconds, activation bytes) of one transformer layer for one microbatch."""
+        h, tp, T, m = self.hidden_size, self.tensor_model_parallel_size, self.tokens, self.machine
+        weights = (4 * h * h + 2 * h * self.ffn) / tp
+        gemm, attn = 2.0 * weights * T, 4.0 * self.seq_length * h * T / tp
+        act = LAYER_ACT_PER_H * h * self.dtype_bytes * T / tp
+        return (m.seconds(gemm + attn, 2 * act, LAYER_OPS[0]), m.seconds(gemm + 2 * attn, 3 * act, LAYER_OPS[1]),
+                m.seconds(gemm, self._accumulate(weights), LAYER_OPS[2]), act)
 
     def head(self) -> Tuple[float, float, float, float]:
-        """(F, B, W, activation bytes) of the output layer and the loss, per token."""
-        v, tp = self.vocab_size, self.tensor_model_parallel_size
-        gemm, loss = 2.0 * self.hidden_size * v / tp, LOSS_FLOPS_PER_VOCAB * v / tp
-        return gemm + loss, gemm + loss, gemm, 4.0 * v / tp
+        """(F, B, W seconds, activation bytes) of the output layer and the loss for one microbatch."""
+        h, tp, T, m = self.hidden_size, self.tensor_model_parallel_size, self.tokens, self.machine
+        logits = self.vocab_size * T / tp  # elements
+        gemm = 2.0 * h * logits
+        return (m.seconds(gemm, LOSS_PASSES_F * 4.0 * logits + self._cast(logits), HEAD_OPS[0]),
+                m.seconds(gemm, LOSS_PASSES_B * 4.0 * logits + self._cast(logits), HEAD_OPS[1]),
+                m.seconds(gemm, self._accumulate(h * self.vocab_size / tp), HEAD_OPS[2]), 4.0 * logits)
 
     def embedding(self) -> Tuple[float, float, float, float]:
-        h, tokens = self.hidden_size, self.seq_length * self.micro_batch_size
-        dense_grad = 2.0 * self.vocab_size * h / tokens / self.tensor_model_parallel_size
-        return 2.0 * h, 0.0, 2.0 * h + dense_grad, 0.0
+        """(F, B, W seconds, activation bytes) of the embedding for one microbatch: its output is the
+        first layer's input, counted there."""
+        h, tp, T, m = self.hidden_size, self.tensor_model_parallel_size, self.tokens, self.machine
+        lookup = 2.0 * h * self.dtype_bytes * T / tp
+        dense_grad = EMBEDDING_GRAD_PASSES * 4.0 * self.vocab_size * h / tp
+        return (m.seconds(0.0, lookup, EMBEDDING_OPS[0]), m.seconds(0.0, lookup + dense_grad, EMBEDDING_OPS[1]),
+                m.seconds(0.0, 0.0, EMBEDDING_OPS[2]), 0.0)
 
     def parts(self) -> "PartCosts":
-        """The estimate as the costs of the model's parts (per token: only ratios matter)."""
+        """The estimate as the costs of the model's parts (seconds and bytes of one microbatch)."""
         return PartCosts(self.num_layers, Part(*self.layer()), Part(*self.embedding()), Part(*self.head()))
 
     def stage_costs(self, layout: Sequence[int], pp: int) -> Tuple[StageCost, ...]:

@@ -53,10 +53,13 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-def run_steps(tiny, name: str, pp: int, m: int, warmup: int, steps: int, schedule: Schedule = None) -> dict:
+def run_steps(tiny, name: str, pp: int, m: int, warmup: int, steps: int, schedule: Schedule = None,
+              clock=None) -> dict:
     """In a joined rank: `name` by the registry (or `schedule` as built, e.g. planned for
     tiny.pipeline_layout) for warmup + steps steps.  {"times": [s per measured step], "ops": [per
-    step: [(kind, microbatch, stage, start, end)] relative to the step's start], "peak": bytes}."""
+    step: [(kind, microbatch, stage, start, end)] relative to the step's start], "peak": bytes}.
+    `clock`: the recorder's op clock (default wall time; with time.thread_time only the ops'
+    durations mean anything)."""
     from ..runtime.executor import get_forward_backward_func
     from ..runtime.stats import Recorder
     from .tiny_gpt import build_chunks, data_iterators, forward_step, init_parallel
@@ -64,7 +67,7 @@ def run_steps(tiny, name: str, pp: int, m: int, warmup: int, steps: int, schedul
     placement = (schedule or registry.build(name, pp, m)).placement
     init_parallel(1, pp, placement, seed=tiny.seed)
     chunks = build_chunks(tiny, placement)
-    recorder = Recorder()
+    recorder = Recorder(clock) if clock else Recorder()
     step_fn = get_forward_backward_func(schedule or name, stats=recorder)
     # Each measured step keeps its own op times: a figure must not mix one step's makespan with
     # another step's (or a median's) step time.

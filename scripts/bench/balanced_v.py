@@ -29,7 +29,7 @@ quiet_megatron_notices()
 from cpu_pipeline import write_csv  # noqa: E402  (same directory)
 from megatron_vshape.integration.launch import launch  # noqa: E402
 from megatron_vshape.schedule import registry  # noqa: E402
-from megatron_vshape.schedule.balance import ModelShape, balance  # noqa: E402
+from megatron_vshape.schedule.balance import CPU, ModelShape, balance  # noqa: E402
 from megatron_vshape.testing.timed_steps import figures, median_over, run_cases  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from megatron_vshape.testing.tiny_gpt import TinyGPT
 
     shape = ModelShape(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size,
-                       micro_batch_size=args.micro_batch_size)
+                       micro_batch_size=args.micro_batch_size, dtype_bytes=4, machine=CPU)  # fp32, one core a rank
     tiny = TinyGPT(num_layers=args.num_layers, hidden_size=args.hidden_size, seq_length=args.seq_length,
                    vocab_size=args.vocab_size, micro_batch_size=args.micro_batch_size)
     cases, estimates = {}, {}

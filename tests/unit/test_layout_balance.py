@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_vshape.schedule import layout
-from megatron_vshape.schedule.balance import ModelShape, Part, PartCosts, balance, measured_parts
+from megatron_vshape.schedule.balance import CPU, ModelShape, Part, PartCosts, balance, measured_parts
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Placement, StageCost
 from megatron_vshape.schedule.simulate import simulate
@@ -61,9 +61,29 @@ def test_estimate_counts_the_head_and_the_embedding_on_the_end_stages():
     assert costs[1] == middle  # plain stages alike
     assert costs[15].F > 2 * middle.F and costs[15].W > 2 * middle.W and costs[15].size > 2  # 128k-vocab head
     assert middle.size == pytest.approx(1.0) and middle.F == pytest.approx(0.5)  # half a rank's share on the V
-    # the head's GEMM is 2hV per token against a layer's 2(4h^2 + 2h*ffn) + 4sh forward
-    f_layer = 2 * (4 * 4096 ** 2 + 2 * 4096 * 11008) + 4 * 4096 * 4096
-    assert costs[15].F - middle.F == pytest.approx((2 * 4096 + 10) * 128256 / (4 * f_layer), rel=1e-9)
+    # GPU, bf16: the head's F is its GEMM (2hV FLOPs per token) and the loss's passes over fp32 logits
+    # (8 of 4V bytes, and the cast from bf16: 6V); a layer's F its GEMMs and attention and its activation
+    # (17h elements of 2 bytes) written and read; a rank's share is 4 layers (32 layers, pp=8).
+    h, V, T = 4096, 128256, 4096
+    f_layer = (2 * (4 * h * h + 2 * h * 11008) + 4 * T * h) * T / 989e12 + 2 * 17 * h * 2 * T / 3.35e12
+    f_head = 2 * h * V * T / 989e12 + (8 * 4 * V + 6 * V) * T / 3.35e12
+    assert costs[15].F - middle.F == pytest.approx(f_head / (4 * f_layer), rel=1e-9)
+
+
+def test_the_estimate_prices_the_machine_the_run_is_on():
+    """FLOPs alone over-price the output layer on small CPU runs (a layer's operators and memory
+    traffic cost as much as its GEMMs there) and under-price it on GPUs (the fp32 loss over a large
+    vocabulary streams about as long as its GEMM)."""
+    flops_ratio = lambda s: (2 * s.hidden_size * s.vocab_size) / (  # noqa: E731
+        2 * (4 * s.hidden_size ** 2 + 2 * s.hidden_size * s.ffn) + 4 * s.seq_length * s.hidden_size)
+    cpu = ModelShape(8, 256, 128, 32000, dtype_bytes=4, machine=CPU)
+    gpu = ModelShape(32, 4096, 4096, 128256, ffn_hidden_size=11008)
+    for shape, cheaper in ((cpu, True), (gpu, False)):
+        layer, head = shape.layer(), shape.head()
+        ratio = sum(head[:3]) / sum(layer[:3])
+        assert (ratio < flops_ratio(shape)) == cheaper, (shape.machine.name, ratio, flops_ratio(shape))
+    # The embedding's dense gradient is autograd's (B), not a deferred weight gradient (W).
+    assert cpu.embedding()[1] > cpu.embedding()[2] == 0.0
 
 
 def test_balance_moves_layers_off_rank_0_for_a_large_vocabulary_and_not_for_a_small_one():
