@@ -652,23 +652,24 @@ def run(args, plan) -> dict:
     replanned, saved_at = None, None
     counters = Counters(args.check_for_nan_in_loss_and_grad, args.fp16)
     for it in range(start_iter, args.train_iters):
-        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter and plan.balance:
+        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter and not plan.balance:
+            replanned = _replan(fb, it)
+        elif plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
+            # --pipeline-balance auto: the layout too, changed at a checkpoint (rebalance.py says why).
             new, replanned, report = rebalance.rebalance(args, plan, recorders, device, it)
             _print0(report)
-            if replanned["changed"]:  # at a checkpoint: save, rebuild for the new layout, load (rebalance.py)
+            if replanned["changed"]:
                 if saved_at != it:
                     ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
                                          extra={"consumed_samples": it * args.global_batch_size},
                                          retain=args.save_retain, keep=resumed)
-                del chunks, optimizer, scheduler
+                del chunks, optimizer, scheduler  # one model in memory at a time
                 _release_memory(device)
                 chunks, optimizer, scheduler = _model_and_optimizer(args, new, placement, device)
                 ckpt.load_checkpoint(args.save, chunks, optimizer, scheduler, step=it)
                 _print0(rebalance.restart_hint(args, new, it))
             plan = args.plan = new
             fb = forward_backward_func(args, plan, recorders, device)
-        elif plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
-            replanned = _replan(fb, it)
         batches = _microbatches(args, data.train, it, dp_rank, device)
         optimizer.zero_grad()
         for c in chunks:

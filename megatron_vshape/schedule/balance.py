@@ -70,7 +70,7 @@ EMBEDDING_GRAD_PASSES = 2  # read and write the accumulated V x h gradient
 # Aten operators megatron-core's local GPT spec dispatches per microbatch in (F, B, W).
 LAYER_OPS, HEAD_OPS, EMBEDDING_OPS = (48, 57, 21), (48, 28, 5), (6, 4, 0)
 MAX_EVALUATIONS = 300  # simulations the local refinement may spend
-MIN_GAIN = 0.005  # a layout must simulate this much faster than the even split to be chosen
+MIN_GAIN = 0.005  # a layout must simulate this much faster than the even split (or the incumbent) to be chosen
 REBUILDS = 4  # layouts on the way to even ranks that are planned and simulated
 
 

@@ -88,12 +88,14 @@ def run_steps(tiny, name: str, pp: int, m: int, warmup: int, steps: int, schedul
 
 
 def run_cases(rank: int, world_size: int, cases: Sequence[Tuple[str, object, object]], m: int, warmup: int,
-              steps: int) -> Dict[str, dict]:
-    """launch()'s rank function: run_steps for every (label, tiny, schedule name or Schedule), in order."""
+              steps: int, op_clock: str = "wall") -> Dict[str, dict]:
+    """launch()'s rank function: run_steps for every (label, tiny, schedule name or Schedule), in order;
+    op_clock "cpu" times the ops in the compute thread's CPU time (time.thread_time)."""
+    clock = time.thread_time if op_clock == "cpu" else None
     out = {}
     for label, tiny, schedule in cases:
         name, built = (schedule, None) if isinstance(schedule, str) else (schedule.name, schedule)
-        out[label] = run_steps(tiny, name, world_size, m, warmup, steps, schedule=built)
+        out[label] = run_steps(tiny, name, world_size, m, warmup, steps, schedule=built, clock=clock)
     return out
 
 
