@@ -74,8 +74,10 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "(default: an even split, any remainder on the middle stages)")
     g.add_argument("--pipeline-balance", choices=("even", "auto"), default="even",
                    help="auto: size the stages from the model's shape (layers, hidden, FFN, sequence, vocabulary, "
-                        "tp; embedding, output layer and loss included) to minimise the simulated iteration time "
-                        "within --pipeline-memory-budget; prints the layout, bubble and peak next to the even split")
+                        "tp; embedding, output layer and loss included; each op priced by its GEMM FLOPs, the bytes "
+                        "it moves and its operators, for H100-class GPUs, or a CPU core per rank without CUDA) to "
+                        "minimise the simulated iteration time within --pipeline-memory-budget; prints the layout, "
+                        "bubble and peak next to the even split")
     g.add_argument("--pipeline-p2p-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="seconds a pipeline receive may wait before an error naming the rank, op and peer")
     return parser

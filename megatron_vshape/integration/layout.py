@@ -99,9 +99,10 @@ def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path
         raise ConfigError(f"--pipeline-balance auto plans the schedule for the layout it picks; --pipeline-schedule-file "
                           f"{path} holds its own order: pass --pipeline-schedule NAME instead")
     budget = getattr(args, "pipeline_memory_budget", None)
-    result = balance(model_shape(args), name, pp, m, costs, budget, **options)
-    return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape):\n"
-                                            + result.summary())
+    shape = model_shape(args)
+    result = balance(shape, name, pp, m, costs, budget, **options)
+    return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape for "
+                                            f"{shape.machine.about}):\n" + result.summary())
 
 
 SHAPE_KEYS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "seq_length": "seq_length",

@@ -79,6 +79,7 @@ class Machine:
     """What an op's time is made of on a device (module docstring)."""
 
     name: str
+    about: str  # what it stands for, in the start-up report
     flops: float  # GEMM FLOP/s in the training dtype
     bandwidth: float  # bytes/s streaming large tensors
     op_overhead: float  # seconds one dispatched operator costs beyond its work
@@ -89,12 +90,12 @@ class Machine:
 
 
 # H100/H200 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s (H100's HBM3; H200's 4.8 would price memory lower).
-GPU = Machine("gpu", 989e12, 3.35e12, 0.0, True)
+GPU = Machine("gpu", "H100-class GPUs", 989e12, 3.35e12, 0.0, True)
 # One core of the development CPU, fp32: GEMMs at the layers' and the output layer's shapes 80-98
 # GFLOP/s; writing large freshly allocated tensors 6-40 GB/s (first touch of new pages included);
 # an aten operator inside megatron-core modules with autograd ~20 us (a hidden-32 layer: 1.1 ms for
 # its 48 forward operators, its GEMMs negligible).
-CPU = Machine("cpu", 90e9, 10e9, 20e-6, False)
+CPU = Machine("cpu", "a CPU core per rank", 90e9, 10e9, 20e-6, False)
 MACHINES = {m.name: m for m in (GPU, CPU)}
 
 
@@ -209,7 +210,7 @@ class PartCosts:
 def measured_parts(table: Sequence[StageCost], layout: Sequence[int], prior: PartCosts) -> PartCosts:
     """Per-part costs from per-stage ones a run measured under `layout` (runtime.replan's table:
     seconds and sizes in any one unit).  A layer costs what the middle stages measured per layer
-    (a least-squares fit: their total over their layers); the embedding and the head are what
+    (their total time over their total layers); the embedding and the head are what
     their end stages measured beyond their layers.  Without middle stages (one chunk per rank at
     pp=2) the layer is solved from the end stage whose extra part `prior` (the shape's estimate)
     says is the smaller share, with the prior's ratio of that part to a layer."""
