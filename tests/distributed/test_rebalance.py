@@ -6,12 +6,15 @@ The measured op times are injected (each op's recorded end is moved to start + a
 duration built from per-part costs: the output layer with the loss worth HEAD layers), so the
 measured costs, and with them the layout, differ from the shape's estimate deterministically;
 everything after the recorder (tally, the collective, the split into per-part costs, the search,
-the checkpoint round trip) is the real path.  Untied embeddings and no dropout: the rebuilt run
-and the fresh start may run their microbatches in other orders, which then gives the same floats.
+the checkpoint round trip) is the real path.  Measured costs that the layout already suits keep it:
+no checkpoint at N, and the numbers of the run that never re-planned.  Untied embeddings and no
+dropout: the runs compared may take their microbatches in other orders, which then gives the
+same floats.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 
@@ -26,8 +29,8 @@ FLAGS = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", str(PP)]
 
 
-def _inject(layout):
-    """Recorder.op records a duration from LAYER/EMBEDDING/HEAD for `layout`'s stages instead of the real one."""
+def _inject(layout, head=HEAD):
+    """Recorder.op records a duration from LAYER/EMBEDDING/`head` for `layout`'s stages instead of the real one."""
     from megatron_vshape.runtime import stats
 
     original = stats.Recorder.op
@@ -38,14 +41,14 @@ def _inject(layout):
         with original(self, kind, microbatch, stage, device):
             yield
         k = "FBW".index(kind)
-        seconds = layout[stage] * LAYER[k] + (stage == 0) * EMBEDDING[k] + (stage == last) * HEAD[k]
+        seconds = layout[stage] * LAYER[k] + (stage == 0) * EMBEDDING[k] + (stage == last) * head[k]
         kind_, mb, stage_, start, _ = self.ops[-1]
         self.ops[-1] = (kind_, mb, stage_, start, start + seconds)
 
     stats.Recorder.op = op
 
 
-def _job(rank, world_size, save):
+def _job(rank, world_size, root):
     import multiprocessing
 
     from megatron_vshape.argtypes import quiet_megatron_notices
@@ -54,9 +57,10 @@ def _job(rank, world_size, save):
     quiet_megatron_notices()
     # megatron-core's checkpoint writer starts processes, which `launch`'s daemonic ranks may not (as torchrun's may).
     multiprocessing.current_process().daemon = False
-    argv = FLAGS + ["--pipeline-schedule", "v-half", "--pipeline-balance", "auto", "--pipeline-replan-after", str(AT),
-                    "--save", save]
-    args = train.parse_args(argv)
+    balanced = FLAGS + ["--pipeline-schedule", "v-half", "--pipeline-balance", "auto"]
+    replan = ["--pipeline-replan-after", str(AT)]
+    save = f"{root}/moved"
+    args = train.parse_args(balanced + replan + ["--save", save])
     plan = train.validate(args, world_size=world_size)
     first_layout = plan.stage_layers
     _inject(first_layout)
@@ -65,12 +69,18 @@ def _job(rank, world_size, save):
     args = train.parse_args(FLAGS + ["--pipeline-schedule", "v-half", "--pipeline-layout", new_layout,
                                      "--load", save, "--ckpt-step", str(AT)])
     fresh = train.run(args, train.validate(args, world_size=world_size))
-    return {"first_layout": list(first_layout), "rebalanced": rebalanced, "fresh": fresh}
+    # Measured costs the layout already suits: it stays, only the order is re-planned, no checkpoint at AT.
+    _inject(first_layout, head=LAYER)
+    args = train.parse_args(balanced + replan + ["--save", f"{root}/kept"])
+    kept = train.run(args, train.validate(args, world_size=world_size))
+    args = train.parse_args(balanced)
+    plain = train.run(args, train.validate(args, world_size=world_size))
+    return {"first_layout": list(first_layout), "rebalanced": rebalanced, "fresh": fresh, "kept": kept, "plain": plain}
 
 
 @pytest.mark.timeout(600)
 def test_replan_after_n_rebalances_at_a_checkpoint_and_continues_like_a_fresh_start(tmp_path):
-    jobs = launch(_job, PP, (str(tmp_path / "ckpt"),), timeout=540)
+    jobs = launch(_job, PP, (str(tmp_path),), timeout=540)
     info = jobs[0]["rebalanced"]["replanned"]
     assert all(job["rebalanced"]["replanned"] == info for job in jobs)  # every rank decided alike
     assert info["iteration"] == AT and info["changed"] and info["previous_layout"] == jobs[0]["first_layout"]
@@ -87,3 +97,10 @@ def test_replan_after_n_rebalances_at_a_checkpoint_and_continues_like_a_fresh_st
         assert len(rebalanced["losses"]) == ITERS and len(fresh["losses"]) == ITERS - AT
         assert rebalanced["losses"][AT:] == fresh["losses"]  # exact floats
         assert rebalanced["grad_norms"][AT:] == fresh["grad_norms"]
+    # The kept layout: no rebuild, no checkpoint at AT, and the same numbers as the run that never re-planned.
+    kept = jobs[0]["kept"]["replanned"]
+    assert not kept["changed"] and kept["layout"] == kept["previous_layout"] == jobs[0]["first_layout"]
+    assert sorted(os.listdir(tmp_path / "kept")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(tmp_path / "moved")) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    for job in jobs:
+        assert job["kept"]["losses"] == job["plain"]["losses"] and len(job["plain"]["losses"]) == ITERS
