@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--costs", default=";".join(COST_SETS))
     ap.add_argument("--csv", default="out/budget_steps.csv")
     args = ap.parse_args(argv)
+    if not 0 < args.high <= search.MAX_BUDGET:
+        ap.error(f"--high {args.high:g} is outside (0, {search.MAX_BUDGET:g}]; give a budget v-auto serves, e.g. 1.0")
     ints = lambda t: [int(x) for x in t.split(",") if x]  # noqa: E731
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     table, steps, slower, times = [], 0, [], []
