@@ -309,7 +309,9 @@ def cmd_compare_model(args: argparse.Namespace) -> int:
           f"{shape.tensor_model_parallel_size}" + (f"  memory budget {args.memory_budget:g}" if args.memory_budget else ""))
     print(format_table(["schedule", "even: bubble", "peak vs 1F1B", "time vs 1F1B", "balanced layout", "bubble",
                         "peak vs 1F1B", "time vs 1F1B", "speed-up"], table))
-    print("time: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's even split")
+    print("time: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's even split"
+          + ("" if args.memory_budget is not None else "; balanced: the fastest layout whatever its memory (give "
+             "--memory-budget X to cap every schedule's peak)"))
     return 0
 
 
@@ -406,7 +408,8 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         print(format_table(["schedule", "budget", "even: peak vs 1F1B", "bubble", "vs 1F1B", "balanced layout",
                             "peak vs 1F1B", "bubble", "vs 1F1B", "speed-up"], _frontier_pairs(points, balanced)))
         print("vs 1F1B: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's "
-              "even split; balanced: the layout --pipeline-balance auto picks at that budget")
+              "even split; balanced: the layout --pipeline-balance auto picks at that budget; the baselines are "
+              "balanced without a memory budget, so their balanced peak may exceed the even split's")
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -10,8 +10,10 @@ reaches the problem's lower bound (search.lower_bound) the larger budgets are no
 With the model's shape (`balanced`), a second series beside the even split's: at every budget the
 layout and plan that the balance search of `--pipeline-balance auto` picks (schedule/balance.py),
 and each baseline at its balanced layout; both relative to 1F1B's even split.  The balance search
-starts from the even split planned for its costs, so its curve is never above the even one by more
-than balance.MIN_GAIN (the gain it asks before leaving the even order an even run uses).
+keeps the even split planned for its costs (the even curve's plan) unless another layout simulates
+balance.MIN_GAIN faster, so its curve is never above the even one.  The baselines are balanced
+without a memory budget (they have none to meet): a balanced baseline may peak above its even
+split, and the table and the picture show it at its own peak.
 """
 from __future__ import annotations
 
@@ -195,7 +197,7 @@ def svg(points: Sequence[Point], title: str, width: int = 760, height: int = 460
     if balanced is not None:  # what the two square styles mean
         legend.append((f"filled: {EVEN_LABEL}", lambda x, y: f'<rect x="{x + 4}" y="{y - 5}" width="10" height="10" '
                                                              'fill="#888888"/>'))
-        legend.append((f"hollow: {BALANCED_LABEL}", lambda x, y: f'<rect x="{x + 4}" y="{y - 5}" width="10" '
+        legend.append((f"hollow: {BALANCED_LABEL} (no budget)", lambda x, y: f'<rect x="{x + 4}" y="{y - 5}" width="10" '
                                                                  'height="10" fill="white" stroke="#888888" stroke-width="2"/>'))
     for k, (label, swatch) in enumerate(legend):
         y = T + 10 + 20 * k
@@ -217,7 +219,8 @@ def png(points: Sequence[Point], title: str, path: str, balanced: Optional[Seque
                 color=colour, label=label)
         for p in base:
             c = COLOURS.get(p.schedule, "black")
-            what = f"{p.schedule}, {BALANCED_LABEL if hollow else EVEN_LABEL}" if balanced is not None else p.schedule
+            what = f"{p.schedule}, {BALANCED_LABEL + ' (no budget)' if hollow else EVEN_LABEL}" if balanced is not None \
+                else p.schedule
             ax.plot([p.peak_vs_1f1b], [p.vs_1f1b], "s", color=c, markerfacecolor="white" if hollow else c, label=what)
     ax.set_xlabel("activation memory (peak, 1F1B = 1)")
     ax.set_ylabel("makespan vs 1F1B")

@@ -48,8 +48,11 @@ each rank's total work (one layer moved per step) are planned by the schedule's 
 their stage costs and simulated (REBUILDS of them, the ends included); the best is refined by
 moving one layer at a time off the busiest ranks' stages while the simulated makespan of its
 order drops, and that refinement is kept only if it simulates faster (rebuilt, or in the same
-order).  Within the memory budget (peak_vs_1f1b on every rank), the fastest wins; the even split
-on ties.  What is printed is the chosen schedule's simulation, next to the even split's.
+order).  Within the memory budget (peak_vs_1f1b on every rank), the fastest wins if it simulates
+MIN_GAIN faster than the even split built the same way (planned for its estimated costs); else the
+even split stays, unless it exceeds the budget.  What is printed is the chosen schedule's
+simulation, next to the even split's in the order an even run uses: a layout other than the even
+one is never shown for less than MIN_GAIN of speed-up, except to fit the budget (the line says so).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ EMBEDDING_GRAD_PASSES = 2  # read and write the accumulated V x h gradient
 # Aten operators megatron-core's local GPT spec dispatches per microbatch in (F, B, W).
 LAYER_OPS, HEAD_OPS, EMBEDDING_OPS = (48, 57, 21), (48, 28, 5), (6, 4, 0)
 MAX_EVALUATIONS = 300  # simulations the local refinement may spend
-MIN_GAIN = 0.005  # a layout must simulate this much faster than the even split (or the incumbent) to be chosen
+MIN_GAIN = 0.005  # a layout must simulate this much faster than the even split's plan (or the incumbent's) to be chosen
 REBUILDS = 4  # layouts on the way to even ranks that are planned and simulated
 
 
@@ -250,16 +253,24 @@ class Balanced:
     even_layout: Layout
     even_sim: SimResult = field(repr=False)
     evaluations: int = 0
+    memory_budget: Optional[float] = None
 
     def summary(self, labels: Tuple[str, str] = ("even", "balanced")) -> str:
-        """One line per layout (the kept one first): layers per stage, makespan, bubble, peak per rank."""
+        """One line per layout (the kept one first): layers per stage, makespan, bubble, peak per rank;
+        the second says when it is the same layout, and when the first exceeds the memory budget."""
         def line(what, layout, sim):
             peaks = " ".join(f"{p:.2f}" for p in sim.peak_vs_1f1b)
             return (f"{what:>8} {','.join(map(str, layout))}: iteration {sim.makespan:.4g} (units of one rank's F), "
                     f"bubble {sim.bubble_rate:.1%}, peak vs 1F1B per rank {peaks}")
         gain = self.even_sim.makespan / self.sim.makespan - 1 if self.sim.makespan else 0.0
+        why = ""
+        if tuple(self.layout) == tuple(self.even_layout):
+            why += f"; the same layout in the order planned for its costs: no other simulates {MIN_GAIN:.1%} faster"
+        over = max(self.even_sim.peak_vs_1f1b)
+        if self.memory_budget is not None and over > self.memory_budget + 1e-9:
+            why += f"; {labels[0]} peaks at {over:.4g}, over the memory budget {self.memory_budget:g}"
         return "\n".join([line(labels[0], self.even_layout, self.even_sim),
-                          line(labels[1], self.layout, self.sim) + f" ({gain:+.1%} speed)"])
+                          line(labels[1], self.layout, self.sim) + f" ({gain:+.1%} speed{why})"])
 
 
 def _valid(layout: Sequence[int]) -> bool:
@@ -297,9 +308,11 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     """The layout of `model.num_layers` layers for schedule `name` that minimises the simulated
     iteration time within `memory_budget` (peak_vs_1f1b on every rank); ConfigError when none fits.
     `model`: a ModelShape (the estimate) or PartCosts (e.g. measured_parts).  `incumbent`: the layout
-    kept unless another simulates MIN_GAIN faster (default the even split), itself in the order
-    planned for these costs; `even_layout`/`even_sim` then report it.  v-auto is planned at that
-    budget (its generator's default without one): callers pass it once."""
+    kept unless another simulates MIN_GAIN faster (default the even split), built as every candidate
+    is (the faster of the order planned for its costs and the plain order under them);
+    `even_layout`/`even_sim` report it (the even split in the order an even run uses).  A layout that is not MIN_GAIN faster is chosen only when the
+    incumbent exceeds the budget.  v-auto is planned at that budget (its generator's default without
+    one): callers pass it once."""
     if name == "v-auto":
         options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
@@ -338,7 +351,7 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     picks = sorted({round(i * (len(path) - 1) / (REBUILDS - 1)) for i in range(REBUILDS)}) if len(path) > 1 else [0]
     built = {path[i]: build(path[i]) for i in picks}
     kept = path[0] if incumbent is None else tuple(incumbent)
-    if incumbent is not None:
+    if kept not in built:
         built[kept] = build(kept)
     best = min(built, key=lambda lay: (rank(built[lay][1]), lay != kept))
     # Refine: one layer at a time off the busiest ranks' stages, scored on the best order as built.
@@ -368,17 +381,21 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     if current != best:  # rebuilt for its own costs, or the best order kept: whichever simulates faster
         built[current] = min(build(current), (with_costs(base, current), score(current)), key=lambda b: rank(b[1]))
     best = min(built, key=lambda lay: (rank(built[lay][1]), lay != kept))
-    # The even split in the order an even run uses; an incumbent in the order planned for these costs.
-    kept_schedule, kept_sim = (with_costs(plain, kept), simulate(with_costs(plain, kept))) if incumbent is None \
-        else built[kept]
+    # Judged against the kept layout built as every candidate is (the faster of its plan for these costs
+    # and the plain order under them), so a layout reported as a change is MIN_GAIN faster under the
+    # figures printed beside it, and never slower than the even split planned for the same costs.
+    kept_schedule, kept_sim = built[kept]
     schedule, sim = built[best]
     if fits(kept_sim) and sim.makespan > kept_sim.makespan * (1 - MIN_GAIN):  # not worth changing anything for
         best, schedule, sim = kept, kept_schedule, kept_sim
+    # Shown beside it: the even split in the order an even run uses (its speed-up then includes the order
+    # planned for the costs, never less than the layout's), an incumbent as built.
+    shown = simulate(with_costs(plain, kept)) if incumbent is None else kept_sim
     if not fits(sim):
         raise ConfigError(f"no layout of {model.num_layers} layers fits {flag} {memory_budget:g} with {name} at pp={pp}: "
                           f"the least peak found is {max(sim.peak_vs_1f1b):.3g} of 1F1B's (layout "
                           f"{','.join(map(str, best))}); raise {flag} or pick a schedule with less memory (v-min)")
-    return Balanced(best, schedule, sim, kept, kept_sim, len(seen) + len(built))
+    return Balanced(best, schedule, sim, kept, shown, len(seen) + len(built), memory_budget)
 
 
 def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optional[Costs] = None,

@@ -98,6 +98,28 @@ def test_balance_moves_layers_off_rank_0_for_a_large_vocabulary_and_not_for_a_sm
     assert balance(small, "v-half", 4, 16).layout == (2,) * 8
 
 
+@pytest.mark.parametrize("name, budget", [("v-auto", 1.25), ("v-auto", 1.5), ("v-auto", 2.0), ("v-zb", None),
+                                          ("v-half", None), ("1f1b", None)])
+def test_a_changed_layout_is_min_gain_faster_than_the_even_split_planned_for_the_same_costs(name, budget):
+    # At a 1k vocabulary the head is worth about a layer: some layouts simulate a little faster than the
+    # even split in the order an even run uses, but not than the even split planned for its costs (v-auto
+    # at budget 1.5 chose 1,3,2,2 for 0.1% there).  No layout may be reported for less than MIN_GAIN.
+    from megatron_vshape.schedule import registry
+    from megatron_vshape.schedule.balance import MIN_GAIN
+
+    shape = ModelShape(8, 256, 128, 1024)
+    result = balance(shape, name, 2, 4, memory_budget=budget)
+    options = {"memory_budget": budget} if budget is not None else {}
+    planned = registry.build(name, 2, 4, stage_costs=shape.stage_costs(result.even_layout, 2), **options)
+    even = simulate(planned).makespan
+    assert result.sim.makespan <= even + 1e-9  # never slower than the even split's own plan
+    if result.layout != result.even_layout:
+        assert result.sim.makespan <= even * (1 - MIN_GAIN) + 1e-12, result.summary()
+        assert result.sim.makespan <= result.even_sim.makespan * (1 - MIN_GAIN) + 1e-12  # under what it prints
+    else:
+        assert "the same layout" in result.summary().splitlines()[1]
+
+
 def test_balance_respects_the_memory_budget_and_says_when_nothing_fits():
     big = ModelShape(num_layers=16, hidden_size=1024, seq_length=1024, vocab_size=128000)
     free = balance(big, "1f1b", 4, 16)

@@ -180,7 +180,7 @@ def test_frontier_picture_draws_both_series_labelled_in_the_legend(heavy_head, t
         swatch = elements[[e.text for e in elements].index(label) - 1]
         assert swatch.tag == SVG + "line" and swatch.get("stroke") == line.get("stroke")
         assert swatch.get("stroke-dasharray") == line.get("stroke-dasharray")
-    assert "filled: even split" in texts and "hollow: balanced layout" in texts
+    assert "filled: even split" in texts and "hollow: balanced layout (no budget)" in texts
     squares = [r for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
     baselines = [p.schedule for p in even if p.schedule != "v-auto"]
     assert sorted(r.find(SVG + "title").text.split(",")[0] for r in squares) == sorted(baselines * 2)
@@ -198,16 +198,15 @@ def test_frontier_picture_without_a_model_has_one_curve(tmp_path):
 
 @pytest.mark.parametrize("vocab", [2048, 8192])  # a head worth less than a layer, and worth two
 def test_the_balanced_curve_is_never_above_the_even_one(vocab, heavy_head):
-    # The balance search plans the even split for its costs among its candidates, and leaves the
-    # even order an even run uses only for a layout MIN_GAIN faster: so at worst it keeps that
-    # order, within MIN_GAIN of the even curve; each curve is the best at its budget or below.
+    # The balance search keeps the even split planned for its costs (the even curve's plan) unless a
+    # layout simulates MIN_GAIN faster: so never above; each curve is the best at its budget or below.
     from megatron_vshape.schedule.balance import MIN_GAIN
 
     even, balanced = heavy_head if vocab == 8192 else _frontier_pair(vocab)
     pairs = [(e, b) for e in even for b in balanced if (e.schedule, e.memory_budget) == (b.schedule, b.memory_budget)]
     assert len(pairs) == len(even)  # every even point has its balanced one
     for e, b in pairs:
-        assert b.makespan <= e.makespan / (1 - MIN_GAIN) + 1e-9, (e, b)
+        assert b.makespan <= e.makespan + 1e-9, (e, b)
         assert b.vs_1f1b == pytest.approx(b.makespan / next(p.makespan for p in even if p.schedule == "1f1b"))
     if vocab == 8192:  # the picture shows a difference: faster at every budget, layers moved off rank 0
         assert all(b.makespan < e.makespan * (1 - MIN_GAIN) for e, b in pairs if e.schedule == "v-auto")
