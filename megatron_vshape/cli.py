@@ -58,13 +58,30 @@ def _model_shape(args):
     if getattr(args, "stage_costs", None):
         raise ConfigError(f"--model {args.model} and --stage-costs {args.stage_costs}: pass one (the model's shape "
                           "gives the stage costs)")
-    return shape_from_config(args.model, args.vocab_size)
+    return shape_from_config(args.model, args.vocab_size, args.machine)
+
+
+def _layers_flag(args) -> str:
+    """How an error names the layer count read from --model."""
+    return f"--model {args.model}: num-layers"
+
+
+def _priced(shape) -> str:
+    return f"priced for {shape.machine.about} (--machine {shape.machine.name})"
 
 
 def _model_stage_costs(args, schedule: Schedule):
-    from .schedule.layout import even
+    from .schedule.layout import even_split
 
-    return _model_shape(args).stage_costs(even(_model_shape(args).num_layers, schedule.num_stages), args.pp)
+    shape = _model_shape(args)
+    layout = even_split(shape.num_layers, schedule.placement, schedule.name, _layers_flag(args))
+    return shape.stage_costs(layout, args.pp)
+
+
+def _check_machine(args) -> None:
+    if getattr(args, "machine", None) and not getattr(args, "model", None):
+        raise ConfigError(f"--machine {args.machine} prices the stage costs estimated from --model; give --model "
+                          "FILE.yaml, or drop --machine")
 
 
 def summary(schedule: Schedule, sim: SimResult) -> dict:
@@ -270,19 +287,20 @@ def plan_balanced(args: argparse.Namespace) -> int:
     from .schedule.balance import balance
 
     options = {k: v for k, v in (("chunks", args.chunks), ("group", args.group)) if v is not None}
-    result = balance(_model_shape(args), args.schedule, args.pp, args.microbatches, _costs(args.costs),
-                     args.memory_budget, flag="--memory-budget", **options)
+    shape = _model_shape(args)
+    result = balance(shape, args.schedule, args.pp, args.microbatches, _costs(args.costs),
+                     args.memory_budget, flag="--memory-budget", layers_flag=_layers_flag(args), **options)
     if args.export:
         export_write(result.schedule, args.export, "json", result.sim)
     if args.json:
         out = summary(result.schedule, result.sim)
-        out.update({"layout": list(result.layout), "even_layout": list(result.even_layout),
+        out.update({"machine": shape.machine.name, "layout": list(result.layout), "even_layout": list(result.even_layout),
                     "even": {"makespan": result.even_sim.makespan, "bubble_rate": result.even_sim.bubble_rate,
                              "peak_vs_1f1b": result.even_sim.peak_vs_1f1b}})
         print(json.dumps(out, indent=2))
         return 0
     print(f"{args.schedule} pp={args.pp} microbatches={args.microbatches}, stage costs estimated from {args.model}"
-          f" (layers per stage in model order; --pipeline-layout takes the balanced one):")
+          f", {_priced(shape)} (layers per stage in model order; --pipeline-layout takes the balanced one):")
     print(result.summary())
     return 0
 
@@ -291,10 +309,12 @@ def cmd_compare_model(args: argparse.Namespace) -> int:
     """compare --model: every schedule's even split against its balanced layout, under the estimate."""
     from .schedule.balance import compare_balanced, row_cells
 
-    rows = compare_balanced(_model_shape(args), args.pp, args.microbatches, _costs(args.costs), args.memory_budget)
+    shape = _model_shape(args)
+    rows = compare_balanced(shape, args.pp, args.microbatches, _costs(args.costs), args.memory_budget,
+                            layers_flag=_layers_flag(args))
     if args.json:
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "model": args.model, "rows": rows},
-                         indent=2))
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "model": args.model,
+                          "machine": shape.machine.name, "rows": rows}, indent=2))
         return 0
     base = next((r["even"]["makespan"] for r in rows if r["schedule"] == "1f1b" and "even" in r), None)
     table = []
@@ -303,10 +323,10 @@ def cmd_compare_model(args: argparse.Namespace) -> int:
             table.append([r["schedule"]] + ["-"] * 7 + ["cannot serve: " + r["error"]])
             continue
         table.append([r["schedule"]] + row_cells(r, base))
-    shape = _model_shape(args)
     print(f"pp={args.pp}  microbatches={args.microbatches}  model {args.model}: {shape.num_layers} layers, hidden "
           f"{shape.hidden_size}, FFN {shape.ffn}, seq {shape.seq_length}, vocab {shape.vocab_size}, tp "
-          f"{shape.tensor_model_parallel_size}" + (f"  memory budget {args.memory_budget:g}" if args.memory_budget else ""))
+          f"{shape.tensor_model_parallel_size}, {_priced(shape)}"
+          + (f"  memory budget {args.memory_budget:g}" if args.memory_budget else ""))
     print(format_table(["schedule", "even: bubble", "peak vs 1F1B", "time vs 1F1B", "balanced layout", "bubble",
                         "peak vs 1F1B", "time vs 1F1B", "speed-up"], table))
     print("time: simulated iteration under the estimated stage costs (schedule/balance.py), relative to 1F1B's even split"
@@ -381,21 +401,23 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         from .schedule.stage_costs import load
 
         stage_costs = load(args.stage_costs)
-    if args.model:  # the even split's estimated stage costs, and the balanced layout at every budget
-        points, balanced = frontier.balanced(_model_shape(args), args.pp, args.microbatches, costs)
+    shape = _model_shape(args) if args.model else None
+    if shape:  # the even split's estimated stage costs, and the balanced layout at every budget
+        points, balanced = frontier.balanced(shape, args.pp, args.microbatches, costs, _layers_flag(args))
     else:
         points = frontier.frontier(args.pp, args.microbatches, costs, stage_costs)
     written = []
     c = costs
     title = f"pp={args.pp} microbatches={args.microbatches} costs F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}" + (
-        f", stage costs estimated from {args.model}: even split and balanced layout" if args.model else "")
+        f", stage costs estimated from {args.model} for {shape.machine.about}: even split and balanced layout"
+        if shape else "")
     if args.picture:
         written = frontier.write(points, title, args.picture, balanced)
     if args.json:
         out = {"pp": args.pp, "microbatches": args.microbatches, "costs": costs.to_dict(),
                "points": [p.to_dict() for p in points], "written": written}
         if balanced is not None:
-            out["balanced"] = [p.to_dict() for p in balanced]
+            out.update(machine=shape.machine.name, balanced=[p.to_dict() for p in balanced])
         print(json.dumps(out, indent=2))
         return 0
     print(title)
@@ -504,6 +526,9 @@ def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
                         "seq-length, vocab-size, ...): stage costs estimated from it; plan and compare then also "
                         "size the stages (the even split against the balanced layout)")
     p.add_argument("--vocab-size", type=positive_int, metavar="N", help="with --model: this vocabulary instead")
+    p.add_argument("--machine", choices=("gpu", "cpu"),
+                   help="with --model: what the estimate prices, H100-class GPUs in bf16 (gpu, the default) or one "
+                        "CPU core per rank in fp32 (cpu, the driver's runs without CUDA)")
     p.add_argument("--memory-budget", type=float, metavar="X",
                    help="activation memory as a fraction of 1F1B's (v-auto: from V-Min's ((p+4)//3)/p to 2.0)")
     if schedule:
@@ -586,6 +611,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return fail(prog, unwritable, EXIT_RUN_ERROR)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        _check_machine(args)
         return run(args)
     except ConfigError as exc:
         return fail(prog, str(exc), EXIT_CONFIG_ERROR)

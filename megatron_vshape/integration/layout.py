@@ -50,7 +50,7 @@ def stage_layers(args, name: str, placement: Placement) -> layout.Layout:
     if given:
         stages = layout.megatron_split(num_layers, placement, first, last, embedding, loss)
         return layout.check(stages, num_layers, placement, name, ", ".join(f"{k}={v}" for k, v in given.items()))
-    return layout.check(layout.even(num_layers, placement.num_stages), num_layers, placement, name, "--num-layers")
+    return layout.even_split(num_layers, placement, name)
 
 
 def megatron_layout_args(args, stages: Optional[layout.Layout], placement: Placement) -> None:
@@ -110,12 +110,13 @@ SHAPE_KEYS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "seq_len
               "tensor_model_parallel_size": "tensor_model_parallel_size", "micro_batch_size": "micro_batch_size"}
 
 
-def shape_from_config(path: str, vocab_size: Optional[int] = None):
+def shape_from_config(path: str, vocab_size: Optional[int] = None, machine: Optional[str] = None):
     """The model's shape from a driver config (YAML of flag names, e.g. configs/gpt/gpt-6.7b.yaml); other
-    keys are ignored.  `vocab_size` overrides the file's."""
+    keys are ignored.  `vocab_size` overrides the file's.  `machine`: what the estimate prices, "gpu"
+    (default: bf16) or "cpu" (fp32, as the driver trains without CUDA)."""
     import yaml
 
-    from ..schedule.balance import ModelShape
+    from ..schedule.balance import MACHINES, ModelShape
 
     try:
         with open(path) as f:
@@ -135,4 +136,5 @@ def shape_from_config(path: str, vocab_size: Optional[int] = None):
         raise ConfigError(f"--model {path} has no {', '.join(k.replace('_', '-') for k in missing)}; give the model's "
                           "shape (num-layers, hidden-size, seq-length, vocab-size; ffn-hidden-size and "
                           "tensor-model-parallel-size optional)")
-    return ModelShape(**values)
+    machine = MACHINES[machine or "gpu"]
+    return ModelShape(**values, dtype_bytes=4 if machine.name == "cpu" else 2, machine=machine)

@@ -74,8 +74,10 @@ def _plan(args):
     text = getattr(args, "pipeline_layout", None)
     stage_layers = layout.parse(text) if text else None
     layers = args.num_layers or (sum(stage_layers) if stage_layers else 2 * stages)
-    layout.check(stage_layers or layout.even(layers, stages), layers, schedule.placement, args.schedule,
-                 "--pipeline-layout" if text else "--num-layers", text)
+    if stage_layers:
+        layout.check(stage_layers, layers, schedule.placement, args.schedule, "--pipeline-layout", text)
+    else:
+        layout.even_split(layers, schedule.placement, args.schedule)
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError(f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
                           f"{args.num_attention_heads}")

@@ -26,8 +26,8 @@ from xml.sax.saxutils import escape
 from ..schedule import registry
 from ..schedule.balance import balance
 from ..schedule.errors import ConfigError
-from ..schedule.layout import even as even_split
-from ..schedule.ops import Costs, StageCost
+from ..schedule.layout import even_split
+from ..schedule.ops import Costs, Placement, StageCost
 from ..schedule.simulate import simulate
 from .search import budget_steps, lower_bound
 
@@ -93,17 +93,20 @@ def _relative(points: Sequence[Point], reference: Sequence[Point]) -> None:
         p.vs_1f1b = p.makespan / base if base else 0.0
 
 
-def balanced(shape, pp: int, microbatches: int, costs: Optional[Costs] = None) -> Tuple[List[Point], List[Point]]:
+def balanced(shape, pp: int, microbatches: int, costs: Optional[Costs] = None,
+             layers_flag: str = "--num-layers") -> Tuple[List[Point], List[Point]]:
     """(even, balanced) for a model shape (schedule/balance.py's ModelShape): frontier() of the even
     split's estimated stage costs, and at the same budgets the fastest layout the balance search
     finds within each (the best at that budget or below, as above), then the baselines balanced;
-    both series relative to 1F1B's even split.  A budget no layout fits has no balanced point."""
-    points = _points(pp, microbatches, costs, shape.stage_costs(even_split(shape.num_layers, 2 * pp), pp))
+    both series relative to 1F1B's even split.  A budget no layout fits has no balanced point.
+    ConfigError (naming `layers_flag`) when the V's even split would leave a middle stage empty."""
+    even = even_split(shape.num_layers, Placement("v", pp, 2), "v-auto", layers_flag)
+    points = _points(pp, microbatches, costs, shape.stage_costs(even, pp))
     out: List[Point] = []
     best, refused = None, None
     for _, budget in budget_steps(pp, microbatches):
         try:
-            b = balance(shape, "v-auto", pp, microbatches, costs, budget, flag="--memory-budget")
+            b = balance(shape, "v-auto", pp, microbatches, costs, budget, flag="--memory-budget", layers_flag=layers_flag)
         except ConfigError as exc:  # nothing fits this budget (or the shape cannot be split at all)
             b, refused = None, exc
         if b is not None and (best is None or b.sim.makespan < best.makespan - 1e-9):
@@ -113,7 +116,7 @@ def balanced(shape, pp: int, microbatches: int, costs: Optional[Costs] = None) -
             out.append(Point("v-auto", budget, best.peak_vs_1f1b, best.makespan, best.bubble_rate, layout=best.layout))
     for name in (p.schedule for p in points if p.memory_budget is None):  # the baselines that serve these sizes
         try:
-            b = balance(shape, name, pp, microbatches, costs)
+            b = balance(shape, name, pp, microbatches, costs, layers_flag=layers_flag)
         except ConfigError as exc:
             refused = exc
             continue

@@ -62,7 +62,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import registry
 from .errors import ConfigError
-from .layout import Layout, even
+from .layout import Layout, even, even_split
 from .ops import Costs, Placement, Schedule, StageCost
 from .simulate import SimResult, simulate
 
@@ -304,7 +304,7 @@ def _towards_even_ranks(model, placement: Placement) -> List[Layout]:
 
 def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs] = None,
             memory_budget: Optional[float] = None, flag: str = "--pipeline-memory-budget",
-            incumbent: Optional[Layout] = None, **options) -> Balanced:
+            incumbent: Optional[Layout] = None, layers_flag: str = "--num-layers", **options) -> Balanced:
     """The layout of `model.num_layers` layers for schedule `name` that minimises the simulated
     iteration time within `memory_budget` (peak_vs_1f1b on every rank); ConfigError when none fits.
     `model`: a ModelShape (the estimate) or PartCosts (e.g. measured_parts).  `incumbent`: the layout
@@ -312,15 +312,13 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     is (the faster of the order planned for its costs and the plain order under them);
     `even_layout`/`even_sim` report it (the even split in the order an even run uses).  A layout that is not MIN_GAIN faster is chosen only when the
     incumbent exceeds the budget.  v-auto is planned at that budget (its generator's default without
-    one): callers pass it once."""
+    one): callers pass it once.  `flag`/`layers_flag`: how errors name the budget and the layer count."""
     if name == "v-auto":
         options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
     placement = plain.placement
     S = placement.num_stages
-    if model.num_layers < S - 2:
-        raise ConfigError(f"--num-layers={model.num_layers} is too few to give each of the {S - 2} middle stages of "
-                          f"{name} at pp={pp} a layer; use at least {S - 2}")
+    even_split(model.num_layers, placement, name, layers_flag)  # every middle stage needs a layer
 
     def with_costs(schedule: Schedule, layout: Layout) -> Schedule:
         """`schedule`'s order under this layout's estimated costs; a cap it was planned for held for
@@ -399,7 +397,8 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
 
 
 def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optional[Costs] = None,
-                     memory_budget: Optional[float] = None, names: Optional[Sequence[str]] = None) -> List[dict]:
+                     memory_budget: Optional[float] = None, names: Optional[Sequence[str]] = None,
+                     layers_flag: str = "--num-layers") -> List[dict]:
     """For every schedule: the even split against the balanced layout, simulated under the estimate;
     a schedule that cannot serve the sizes gives its reason."""
     rows = []
@@ -407,7 +406,8 @@ def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optio
         if name == "v-auto" and memory_budget is None:  # planned at a budget: only when one is given
             continue
         try:
-            b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget")
+            b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget",
+                        layers_flag=layers_flag)
         except ConfigError as exc:
             rows.append({"schedule": name, "error": str(exc).splitlines()[0]})
             continue

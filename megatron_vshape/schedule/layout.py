@@ -44,6 +44,19 @@ def even(num_layers: int, num_stages: int) -> Layout:
     return tuple(counts[s] for s in range(num_stages))
 
 
+def even_split(num_layers: int, placement: Placement, name: str, flag: str = "--num-layers") -> Layout:
+    """The even split when no layout is given, or ConfigError when it would leave a middle stage
+    without a layer (fewer layers than middle stages).  The end stages may have none: they still
+    hold the embedding (stage 0) and the output layer with the loss (the last), which is work, and
+    what balancing picks for a large vocabulary (0,4,4,0); a middle stage would hold nothing."""
+    S = placement.num_stages
+    if num_layers < S - 2:
+        raise ConfigError(f"{flag}={num_layers} is too few for {name} at pp={placement.pp}: each of its {S - 2} middle "
+                          f"stages needs a layer (only the first and the last may hold just the embedding or the "
+                          f"loss); use at least {S - 2} layers or fewer pipeline stages")
+    return even(num_layers, S)
+
+
 def _end_stages(placement: Placement) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """The stages Megatron's 'first' and 'last' pipeline stage mean under this placement."""
     last = placement.num_stages - 1

@@ -173,3 +173,57 @@ def test_frontier_refuses_a_bad_model_in_one_line(extra, message):
     r = run("frontier", "--pp", "4", "--microbatches", "8", *extra)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("megatron-vshape frontier: error:")
+
+
+@pytest.mark.parametrize("command", [["frontier"], ["plan", "--schedule", "v-half"], ["compare"],
+                                     ["export", "--schedule", "v-zb", "--output", "x.json"]])
+def test_a_model_with_fewer_layers_than_the_vs_middle_stages_is_refused_in_one_line(command, tmp_path, capsys):
+    # 5 layers for the 8 stages of the V at pp=4: the even split would leave middle stages empty, which
+    # frontier drew and plan/export planned.  compare still serves the schedules that can split them.
+    from megatron_vshape import cli
+
+    model = _model_file(tmp_path, vocab=8192, layers=5)
+    code = cli.main(command + ["--pp", "4", "--microbatches", "8", "--model", model])
+    out, err = capsys.readouterr()
+    message = f"--model {model}: num-layers=5 is too few for"
+    if command == ["compare"]:
+        assert code == 0 and "cannot serve: " + message in out and "1f1b  " in out
+        return
+    assert code == 2 and err.count("\n") == 1 and message in err and "use at least 6 layers" in err, err
+
+
+def test_the_end_stages_of_the_even_split_may_hold_only_the_embedding_or_the_loss(tmp_path, capsys):
+    # 7 layers on the V's 8 stages: the last stage holds only the output layer and the loss, which the
+    # driver trains (schedule/layout.py even_split); planned, not refused.
+    from megatron_vshape import cli
+
+    assert cli.main(["plan", "--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--model",
+                     _model_file(tmp_path, vocab=256, layers=7)]) == 0
+    assert "even 1,1,1,1,1,1,1,0:" in capsys.readouterr().out
+
+
+def test_machine_chooses_what_the_model_estimate_prices_and_is_said(tmp_path, capsys):
+    from megatron_vshape import cli
+    from megatron_vshape.schedule.balance import CPU, GPU, ModelShape
+
+    model = _model_file(tmp_path, vocab=8192)
+    base = ["plan", "--schedule", "v-zb", "--pp", "2", "--microbatches", "4", "--model", model]
+    figures = {}
+    for machine, priced, dtype in (("gpu", GPU, 2), ("cpu", CPU, 4)):
+        extra = [] if machine == "gpu" else ["--machine", "cpu"]  # gpu is the default
+        assert cli.main(base + extra + ["--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        shape = ModelShape(8, 256, 128, 8192, dtype_bytes=dtype, machine=priced)
+        want = shape.stage_costs(out["layout"], 2)
+        assert out["machine"] == machine
+        assert [c[k] for c in out["stage_costs"] for k in "FBW"] == pytest.approx([getattr(c, k) for c in want
+                                                                                   for k in "FBW"])
+        figures[machine] = out["stage_costs"]
+        assert cli.main(base + extra) == 0
+        assert f"priced for {priced.about} (--machine {machine})" in capsys.readouterr().out
+    assert figures["gpu"] != figures["cpu"]
+    assert cli.main(["compare", "--pp", "2", "--microbatches", "4", "--model", model, "--machine", "cpu"]) == 0
+    assert "priced for a CPU core per rank (--machine cpu)" in capsys.readouterr().out.splitlines()[0]
+    r = run("compare", "--pp", "2", "--microbatches", "4", "--machine", "cpu")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--machine cpu prices the stage costs estimated " \
+        "from --model" in r.stderr, r.stderr
