@@ -20,7 +20,7 @@ another simulates MIN_GAIN faster.  Every rank decides alike from the same table
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 from ..schedule.errors import ConfigError
 from .layout import model_shape
@@ -75,3 +75,26 @@ def restart_hint(args, plan, iteration: int) -> str:
     return (f"  layout now {describe(plan.stage_layers, plan.schedule.placement)}: chunks rebuilt from the checkpoint "
             f"of iteration {iteration} in {args.save} (a restart resumes it with --load {args.save} --ckpt-step "
             f"{iteration} --pipeline-layout {','.join(map(str, plan.stage_layers))})")
+
+
+def resumed_past(args, plan, start_iter: int, saved_layers: Optional[Sequence[int]]) -> Optional[str]:
+    """The start-up line of a run resumed at or beyond --pipeline-replan-after N, or None: no iteration
+    before N runs in this process, so there is nothing measured to re-plan from and the re-plan is not
+    redone.  The run still resumes (a checkpoint loads under any layout); with --pipeline-balance auto
+    it names the layout in use, and when the checkpoint's run went on under another one (recorded as
+    `saved_layers`, the re-balanced layout), the flags that keep it."""
+    from ..schedule.layout import describe
+
+    after = getattr(args, "pipeline_replan_after", None)
+    if plan is None or after is None or start_iter < after:
+        return None
+    head = f"  --pipeline-replan-after={after}: resumed at iteration {start_iter}, so the re-"
+    if not plan.balance:
+        return head + f"plan at iteration {after} is past and not redone: the order planned at start-up is in use"
+    line = (head + f"balance at iteration {after} is past and not redone: layout in use "
+            f"{describe(plan.stage_layers, plan.schedule.placement)}")
+    if saved_layers is None or tuple(saved_layers) == tuple(plan.stage_layers):
+        return line + (" (the checkpoint's)" if saved_layers is not None else "")
+    saved = ",".join(map(str, saved_layers))
+    return (line + f", the estimate's; the checkpoint's run went on with {saved}: to keep it, resume with "
+            f"--pipeline-layout {saved} instead of --pipeline-balance auto")

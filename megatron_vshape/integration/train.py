@@ -637,9 +637,13 @@ def run(args, plan) -> dict:
     start_iter = 0
     ckpt = _checkpoint_module()
     if args.load and ckpt is not None:
-        start_iter, _extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler, step=args.ckpt_step,
-                                                  fallback=args.load_fallback)
+        start_iter, extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler, step=args.ckpt_step,
+                                                 fallback=args.load_fallback)
         _print0(f"  loaded checkpoint {args.load} at iteration {start_iter}")
+        past = rebalance.resumed_past(args, plan, start_iter, (extra or {}).get("stage_layers")
+                                      if isinstance(extra, dict) else None)
+        if past:
+            _print0(past)
     resumed = (ckpt.iteration_dir(args.save, start_iter),) if args.load and args.save else ()
 
     rss0 = max_rss_bytes()
@@ -661,8 +665,7 @@ def run(args, plan) -> dict:
             if replanned["changed"]:
                 if saved_at != it:
                     ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
-                                         extra={"consumed_samples": it * args.global_batch_size},
-                                         retain=args.save_retain, keep=resumed)
+                                         extra=_extra(args, new, it), retain=args.save_retain, keep=resumed)
                 del chunks, optimizer, scheduler  # one model in memory at a time
                 _release_memory(device)
                 chunks, optimizer, scheduler = _model_and_optimizer(args, new, placement, device)
@@ -712,14 +715,20 @@ def run(args, plan) -> dict:
             eval_round += 1
         if ckpt is not None and args.save and (
                 (args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == args.train_iters):
-            ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
-                                 extra={"consumed_samples": (it + 1) * args.global_batch_size},
+            ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler, extra=_extra(args, plan, it + 1),
                                  retain=args.save_retain, keep=resumed)
             saved_at = it + 1
             _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
     summary = _summary(args, plan, history, peaks, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary
+
+
+def _extra(args, plan, iteration: int) -> dict:
+    """What a checkpoint records beside the state: the samples consumed, and the layout training goes on
+    with from it (at a re-balance, the new one), which a resumed run names (rebalance.resumed_past)."""
+    return {"consumed_samples": iteration * args.global_batch_size,
+            "stage_layers": list(plan.stage_layers) if plan and plan.stage_layers else None}
 
 
 def _model_and_optimizer(args, plan, placement, device):

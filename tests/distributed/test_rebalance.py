@@ -6,14 +6,16 @@ The measured op times are injected (each op's recorded end is moved to start + a
 duration built from per-part costs: the output layer with the loss worth HEAD layers), so the
 measured costs, and with them the layout, differ from the shape's estimate deterministically;
 everything after the recorder (tally, the collective, the split into per-part costs, the search,
-the checkpoint round trip) is the real path.  Measured costs that the layout already suits keep it:
-no checkpoint at N, and the numbers of the run that never re-planned.  Untied embeddings and no
+the checkpoint round trip) is the real path.  The same command resumed from that checkpoint says the
+re-balance is past and how to keep its layout.  Measured costs that the layout already suits keep
+it: no checkpoint at N, and the numbers of the run that never re-planned.  Untied embeddings and no
 dropout: the runs compared may take their microbatches in other orders, which then gives the
 same floats.
 """
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 
 import pytest
@@ -69,13 +71,20 @@ def _job(rank, world_size, root):
     args = train.parse_args(FLAGS + ["--pipeline-schedule", "v-half", "--pipeline-layout", new_layout,
                                      "--load", save, "--ckpt-step", str(AT)])
     fresh = train.run(args, train.validate(args, world_size=world_size))
+    # The first command again, resumed from the re-balance's checkpoint: nothing measured here before AT, so
+    # the re-balance is past; start-up says so, with the layout in use and the flags that keep the new one.
+    args = train.parse_args(balanced + replan + ["--save", f"{root}/resumed", "--load", save, "--ckpt-step", str(AT)])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        resumed = train.run(args, train.validate(args, world_size=world_size))
+    resumed["printed"] = printed.getvalue()
     # Measured costs the layout already suits: it stays, only the order is re-planned, no checkpoint at AT.
     _inject(first_layout, head=LAYER)
     args = train.parse_args(balanced + replan + ["--save", f"{root}/kept"])
     kept = train.run(args, train.validate(args, world_size=world_size))
     args = train.parse_args(balanced)
     plain = train.run(args, train.validate(args, world_size=world_size))
-    return {"first_layout": list(first_layout), "rebalanced": rebalanced, "fresh": fresh, "kept": kept, "plain": plain}
+    return {"first_layout": list(first_layout), "rebalanced": rebalanced, "fresh": fresh, "resumed": resumed,
+            "kept": kept, "plain": plain}
 
 
 @pytest.mark.timeout(600)
@@ -97,6 +106,13 @@ def test_replan_after_n_rebalances_at_a_checkpoint_and_continues_like_a_fresh_st
         assert len(rebalanced["losses"]) == ITERS and len(fresh["losses"]) == ITERS - AT
         assert rebalanced["losses"][AT:] == fresh["losses"]  # exact floats
         assert rebalanced["grad_norms"][AT:] == fresh["grad_norms"]
+    resumed = jobs[0]["resumed"]
+    new = ",".join(map(str, layout))
+    assert resumed["replanned"] is None and len(resumed["losses"]) == ITERS - AT
+    assert (f"--pipeline-replan-after={AT}: resumed at iteration {AT}, so the re-balance at iteration {AT} is past and "
+            f"not redone: layout in use {','.join(map(str, jobs[0]['first_layout']))} (") in resumed["printed"]
+    assert f"the checkpoint's run went on with {new}: to keep it, resume with --pipeline-layout {new} " \
+        "instead of --pipeline-balance auto" in resumed["printed"]
     # The kept layout: no rebuild, no checkpoint at AT, and the same numbers as the run that never re-planned.
     kept = jobs[0]["kept"]["replanned"]
     assert not kept["changed"] and kept["layout"] == kept["previous_layout"] == jobs[0]["first_layout"]

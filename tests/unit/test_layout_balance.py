@@ -217,3 +217,25 @@ def test_replan_after_needs_a_pipeline():
     with pytest.raises(ConfigError, match=r"--pipeline-replan-after=1 re-plans a pipeline schedule; it needs "
                                           r"--pipeline-model-parallel-size >= 2 \(got 1\)"):
         train.validate(args, world_size=1)
+
+
+def test_a_run_resumed_past_the_rebalance_says_so_and_names_the_layout_that_keeps_going():
+    from types import SimpleNamespace
+
+    from megatron_vshape.integration.rebalance import resumed_past
+
+    args = SimpleNamespace(pipeline_replan_after=2)
+    plan = SimpleNamespace(balance="auto's report", stage_layers=(1, 3, 3, 1),
+                           schedule=SimpleNamespace(placement=Placement("v", 2, 2)))
+    assert resumed_past(args, plan, 1, None) is None  # before N: the re-balance still happens
+    assert resumed_past(SimpleNamespace(pipeline_replan_after=None), plan, 5, None) is None
+    moved = resumed_past(args, plan, 2, [2, 2, 3, 1])
+    assert moved == ("  --pipeline-replan-after=2: resumed at iteration 2, so the re-balance at iteration 2 is past and "
+                     "not redone: layout in use 1,3,3,1 (layers per rank 2, 6), the estimate's; the checkpoint's run "
+                     "went on with 2,2,3,1: to keep it, resume with --pipeline-layout 2,2,3,1 instead of "
+                     "--pipeline-balance auto")
+    assert resumed_past(args, plan, 4, [1, 3, 3, 1]).endswith("layout in use 1,3,3,1 (layers per rank 2, 6) "
+                                                              "(the checkpoint's)")
+    assert resumed_past(args, plan, 4, None).endswith("(layers per rank 2, 6)")  # a checkpoint that did not record it
+    order_only = SimpleNamespace(balance=None, stage_layers=(2, 2, 2, 2), schedule=plan.schedule)
+    assert "re-plan at iteration 2 is past and not redone" in resumed_past(args, order_only, 3, None)
