@@ -8,7 +8,9 @@ resumes under another: tests/distributed/test_checkpoint.py::test_resume_under_a
 So the driver saves iteration N to --save, rebuilds its chunks for the new layout and loads what
 it saved; no other code moves tensors between ranks, and the run goes on exactly as a fresh
 start with `--load DIR --ckpt-step N --pipeline-layout NEW` would.  The checkpoint stays, so a
-restart can resume from it with the layout printed.
+restart can resume from it with the layout printed; it records that layout (a checkpoint that
+--save-interval makes due at N is this one, saved once the layout is decided), which a run
+resumed at or past N names (`resumed_past`): such a run has measured nothing before N here.
 
 What is measured: the per-stage op times of iteration N (runtime.replan.measured, one collective,
 the same table on every rank), split into per-part costs (schedule.balance.measured_parts: a

@@ -653,7 +653,10 @@ def run(args, plan) -> dict:
     peaks = {"act": 0, "total": 0, "act_at_peak": 0, "buffers": 0}  # bytes, this rank, over the steps
     window = {"time": 0.0, "iters": 0}
     eval_round = 0
-    replanned, saved_at = None, None
+    replanned, deferred = None, False
+    # A checkpoint due at the re-balance's iteration is saved there, once its layout is known, so it records
+    # the layout training goes on with (what a run resumed from it names: rebalance.resumed_past).
+    rebalance_at = getattr(args, "pipeline_replan_after", None) if plan and plan.balance else None
     counters = Counters(args.check_for_nan_in_loss_and_grad, args.fp16)
     for it in range(start_iter, args.train_iters):
         if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter and not plan.balance:
@@ -662,10 +665,11 @@ def run(args, plan) -> dict:
             # --pipeline-balance auto: the layout too, changed at a checkpoint (rebalance.py says why).
             new, replanned, report = rebalance.rebalance(args, plan, recorders, device, it)
             _print0(report)
+            if replanned["changed"] or deferred:
+                ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
+                                     extra=_extra(args, new, it), retain=args.save_retain, keep=resumed)
+                _print0(f"  saved checkpoint {args.save} at iteration {it}")
             if replanned["changed"]:
-                if saved_at != it:
-                    ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
-                                         extra=_extra(args, new, it), retain=args.save_retain, keep=resumed)
                 del chunks, optimizer, scheduler  # one model in memory at a time
                 _release_memory(device)
                 chunks, optimizer, scheduler = _model_and_optimizer(args, new, placement, device)
@@ -715,10 +719,11 @@ def run(args, plan) -> dict:
             eval_round += 1
         if ckpt is not None and args.save and (
                 (args.save_interval and (it + 1) % args.save_interval == 0) or it + 1 == args.train_iters):
-            ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler, extra=_extra(args, plan, it + 1),
-                                 retain=args.save_retain, keep=resumed)
-            saved_at = it + 1
-            _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
+            deferred = it + 1 == rebalance_at and it + 1 < args.train_iters
+            if not deferred:
+                ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
+                                     extra=_extra(args, plan, it + 1), retain=args.save_retain, keep=resumed)
+                _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
     summary = _summary(args, plan, history, peaks, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary

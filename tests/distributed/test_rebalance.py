@@ -62,7 +62,8 @@ def _job(rank, world_size, root):
     balanced = FLAGS + ["--pipeline-schedule", "v-half", "--pipeline-balance", "auto"]
     replan = ["--pipeline-replan-after", str(AT)]
     save = f"{root}/moved"
-    args = train.parse_args(balanced + replan + ["--save", save])
+    # --save-interval AT: the checkpoint due at AT is saved at the re-balance, recording the new layout.
+    args = train.parse_args(balanced + replan + ["--save", save, "--save-interval", str(AT)])
     plan = train.validate(args, world_size=world_size)
     first_layout = plan.stage_layers
     _inject(first_layout)
