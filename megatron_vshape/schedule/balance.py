@@ -310,9 +310,10 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     `model`: a ModelShape (the estimate) or PartCosts (e.g. measured_parts).  `incumbent`: the layout
     kept unless another simulates MIN_GAIN faster (default the even split), built as every candidate
     is (the faster of the order planned for its costs and the plain order under them);
-    `even_layout`/`even_sim` report it (the even split in the order an even run uses).  A layout that is not MIN_GAIN faster is chosen only when the
-    incumbent exceeds the budget.  v-auto is planned at that budget (its generator's default without
-    one): callers pass it once.  `flag`/`layers_flag`: how errors name the budget and the layer count."""
+    `even_layout`/`even_sim` report it (the even split in the order an even run uses).  A layout not
+    MIN_GAIN faster is chosen only when the incumbent exceeds the budget.  v-auto is planned at that
+    budget (its generator's default without one): callers pass it once.  `flag`/`layers_flag`: how
+    errors name the budget and the layer count."""
     if name == "v-auto":
         options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
