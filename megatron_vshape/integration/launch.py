@@ -5,7 +5,7 @@ Used by the distributed tests, `megatron-vshape verify` and the CPU benchmarks.
 API
 ---
 ``launch(fn, world_size, args=(), kwargs=None, *, timeout=120.0, backend=None,
-         env=None, threads=1, pg_timeout=None) -> list``
+         env=None, threads=1, pg_timeout=None, startup_timeout=300.0) -> list``
 
 * ``fn`` must be a module-level (picklable) function.  It is called in every rank as
   ``fn(rank, world_size, *args, **kwargs)`` after ``torch.distributed`` is initialised
@@ -15,8 +15,11 @@ API
 * ``backend``: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA has at least
   ``world_size`` devices, else gloo.  Under NCCL each rank calls
   ``torch.cuda.set_device(rank % device_count)`` before ``fn``.
-* ``timeout`` (seconds): the whole launch, start-up included.  When it passes, every rank
-  still running is killed and ``LaunchError`` names them.  ``pg_timeout`` (seconds, default
+* ``timeout`` (seconds): the run of ``fn``, counted from the moment every rank has reported
+  its process group ready, so a slow start (spawning, importing torch on a loaded machine)
+  never eats into it.  ``startup_timeout`` (seconds) bounds that start, from the spawn to the
+  last rank ready.  When either passes, every rank still running is killed and
+  ``LaunchError`` names the ranks that were late.  ``pg_timeout`` (seconds, default
   ``timeout``) bounds each collective inside the ranks.
 * A rank that raises, or dies without a result (segfault, ``os._exit``, OOM kill), makes
   ``launch`` kill the others and raise ``LaunchError`` naming that rank, with its traceback
@@ -63,7 +66,7 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, pg_timeout, results):
+def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, pg_timeout, startup_timeout, results):
     try:
         os.environ.update(env)
         os.environ.update({"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(rank),
@@ -75,9 +78,14 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, 
             torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=pg_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
+        # The rendezvous waits for the slowest rank to start, so it gets the start-up bound; the
+        # collectives after it get pg_timeout (as megatron-core sets its groups' timeouts).
+        rendezvous = timedelta(seconds=max(pg_timeout, startup_timeout))
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=rendezvous)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous)
+        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout))
+        results.put(("ready", rank, None))  # the parent starts fn's clock when every rank is here
         out = fn(rank, world_size, *args, **kwargs)
     except BaseException:
         # Report before tearing the group down: the teardown makes the peers fail too, and
@@ -96,7 +104,7 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, 
 
 def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs: Optional[Dict] = None, *,
            timeout: float = 120.0, backend: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-           threads: int = 1, pg_timeout: Optional[float] = None) -> List[Any]:
+           threads: int = 1, pg_timeout: Optional[float] = None, startup_timeout: float = 300.0) -> List[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
     import torch.distributed as dist
 
@@ -106,19 +114,21 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
     pg_timeout = float(pg_timeout or timeout)
     # The parent owns the rendezvous store: port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=pg_timeout))
+                          timeout=timedelta(seconds=max(pg_timeout, startup_timeout)))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
         p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
                         args=(fn, rank, world_size, store.port, backend, tuple(args), dict(kwargs or {}),
-                              dict(env or {}), threads, pg_timeout, results))
+                              dict(env or {}), threads, pg_timeout, startup_timeout, results))
         p.start()
         procs.append(p)
 
     out: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    ready: set = set()
+    # Until every rank is ready the start-up bound applies; then fn gets `timeout` from that moment.
+    deadline, late = time.monotonic() + startup_timeout, f"did not start within {startup_timeout:g}s"
     dead_since: Dict[int, float] = {}
     try:
         while len(out) < world_size:
@@ -129,6 +139,11 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
                 status = None
             if status == "error":
                 raise LaunchError(f"rank {rank} of {world_size} failed:\n{value}{_other_errors(results, rank)}")
+            if status == "ready":
+                ready.add(rank)
+                if len(ready) == world_size:
+                    deadline, late = time.monotonic() + timeout, f"timed out after {timeout:g}s"
+                continue
             if status == "ok":
                 out[rank] = pickle.loads(value)
                 continue
@@ -142,9 +157,11 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
                     raise LaunchError(f"rank {rank} of {world_size} died without a result "
                                       f"(exit code {p.exitcode}); see its output above")
             if now > deadline:
-                missing = [r for r in range(world_size) if r not in out]
-                raise LaunchError(f"launch timed out after {timeout:g}s: rank(s) {missing} of {world_size} "
-                                  f"did not finish (hung or too slow); all ranks were killed")
+                if len(ready) < world_size:
+                    missing, what = [r for r in range(world_size) if r not in ready], "did not get their process group ready"
+                else:
+                    missing, what = [r for r in range(world_size) if r not in out], "did not finish (hung or too slow)"
+                raise LaunchError(f"launch {late}: rank(s) {missing} of {world_size} {what}; all ranks were killed")
         return [out[r] for r in range(world_size)]
     finally:
         for p in procs:
