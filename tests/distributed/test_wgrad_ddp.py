@@ -29,7 +29,7 @@ from megatron_vshape.testing.tiny_gpt import TinyGPT, compare
 TOL = 1e-6
 
 
-def _ddp_job(rank, world_size, tiny, name, m, te, fused):
+def _ddp_case(rank, world_size, tiny, name, m, te, fused):
     """One training step of `name` over megatron-core DDP-wrapped chunks; returns gradients, the hook
     log [(parameter name, op running)] and the TE double's FIFO log."""
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -91,26 +91,44 @@ def _ddp_job(rank, world_size, tiny, name, m, te, fused):
     return portable({"losses": losses, "grads": [named_grads(chunks)], "hooks": hooks, "fifo": log})
 
 
-def _reference_job(rank, world_size, tiny, m):
-    from megatron_vshape.testing.tiny_gpt import reference_run
+def _job(rank, world_size, cases):
+    """Every case on the two pipeline ranks, then the references without pipelining, split over the
+    two data-parallel replicas of a pp=1 layout (spawning dominates the cost on small machines)."""
+    from megatron_vshape.testing.tiny_gpt import init_parallel, reference_run
 
-    return reference_run(tiny, m, steps=1)
+    results = {case: _ddp_case(rank, world_size, *case) for case in cases}
+    init_parallel(1, 1, Placement("single", 1), seed=cases[0][0].seed)
+    keys = list(dict.fromkeys((tiny, m) for tiny, _, m, _, _ in cases))
+    refs = {key: reference_run(*key, steps=1, initialise=False) for key in keys[rank::world_size]}
+    return {"results": results, "refs": refs}
 
 
-def _run(tiny, name, m, te, fused):
-    jobs = launch(_ddp_job, 2, (tiny, name, m, te, fused), timeout=240)
-    (ref,) = launch(_reference_job, 1, (tiny, m), timeout=120)
-    diff = compare(ref, jobs)
-    return jobs, diff
+# (tiny, schedule, microbatches, TE double, gradient-accumulation fusion): the cases of both tests below.
+TIED, UNTIED, M = TinyGPT(num_layers=4, seq_length=8, tied_embeddings=True), TinyGPT(num_layers=4, seq_length=8), 4
+FUSED_TIED = [(TIED, name, M, False, True) for name in ("v-half", "v-zb")]
+TE = [(UNTIED, name, M, True, fused) for name, fused in (("v-half", False), ("v-half", True), ("zb-h1", False),
+                                                         ("v-min", True))]
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["v-half", "v-zb"])
-def test_tied_embedding_with_gradient_accumulation_fusion_on_the_v(name):
+@pytest.fixture(scope="module")
+def runs():
+    """{case: (the two ranks' results, the gradients' difference from the model without pipelining)}."""
+    cases = FUSED_TIED + TE
+    jobs = launch(_job, 2, (cases,), timeout=400)
+    refs = {k: v for job in jobs for k, v in job["refs"].items()}
+    out = {}
+    for case in cases:
+        mine = [job["results"][case] for job in jobs]
+        out[case] = mine, compare(refs[(case[0], case[2])], mine)
+    return out
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("case", FUSED_TIED, ids=[c[1] for c in FUSED_TIED])
+def test_tied_embedding_with_gradient_accumulation_fusion_on_the_v(runs, case):
     """#35 item 2: every embedding-lookup gradient reaches main_grad through megatron-core's own hook."""
-    tiny = TinyGPT(num_layers=4, seq_length=8, tied_embeddings=True)
-    _, diff = _run(tiny, name, 4, te=False, fused=True)
-    print(name, diff)
+    _, diff = runs[case]
+    print(case[1], diff)
     assert diff["max_rel_grad_diff"] <= TOL, diff
 
 
@@ -119,16 +137,15 @@ def _split_ops(name, m):
     return {(op.stage, op.microbatch): str(op) for ops in sched.ranks for op in ops if op.kind in ("W", "BW")}
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name,fused", [("v-half", False), ("v-half", True), ("zb-h1", False), ("v-min", True)])
-def test_te_layers_defer_to_w_in_b_order_and_hooks_fire_once_after_w(name, fused):
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("case", TE, ids=[f"{c[1]}-{'fused' if c[4] else 'unfused'}" for c in TE])
+def test_te_layers_defer_to_w_in_b_order_and_hooks_fire_once_after_w(runs, case):
     """#35 item 1, against the TEST DOUBLE of TE's contract (te_double): TE layers built for a split
     schedule defer their weight GEMMs; each W runs them for its own microbatch (the FIFO pops in B order);
     megatron-core's DDP hook fires exactly once per TE weight and bias per microbatch, inside that W; the
     gradients equal the model's without pipelining."""
-    tiny = TinyGPT(num_layers=4, seq_length=8)
-    m = 4
-    jobs, diff = _run(tiny, name, m, te=True, fused=fused)
+    _, name, m, _, _ = case
+    jobs, diff = runs[case]
     assert diff["max_rel_grad_diff"] <= TOL, diff
     w_ops = _split_ops(name, m)
     for rank, job in enumerate(jobs):
