@@ -1,7 +1,7 @@
 """Our torch-csv export runs in torch.distributed.pipelining's `_PipelineScheduleRuntime`.
 
-Two gloo ranks on 127.0.0.1 load the exported CSV with `_load_csv`, run one step of a toy
-model (one Linear+Tanh per stage) and must reproduce the per-microbatch losses and every
+Two gloo ranks on 127.0.0.1 (one launch for every schedule) load the exported CSV with
+`_load_csv`, run one step of a toy model (one Linear+Tanh per stage) and must reproduce the per-microbatch losses and every
 gradient of a single-process reference.
 """
 import pytest
@@ -38,38 +38,56 @@ def _reference(num_stages):
     return [l.item() for l in losses], grads
 
 
-def _pipeline_rank(rank, world_size, csv_path, stage_ranks):
+def _pipeline_rank(rank, world_size, runs):
+    """Each (name, csv_path, stage_ranks) in turn on the same two ranks: one spawn for every schedule."""
     import torch
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    num_stages = len(stage_ranks)
-    layers, x, y = _toy(num_stages)
-    mine = [s for s in range(num_stages) if stage_ranks[s] == rank]
-    stages = [PipelineStage(layers[s], s, num_stages, torch.device("cpu")) for s in mine]
-    schedule = _PipelineScheduleRuntime(stages, MICROBATCHES, loss_fn=torch.nn.functional.mse_loss)
-    schedule._load_csv(csv_path)
-    losses = []
-    args = (x,) if 0 in mine else ()
-    target = y if num_stages - 1 in mine else None
-    schedule.step(*args, target=target, losses=losses)
-    # Plain lists: tensors sent through the result queue would need the dead child's shared memory.
-    grads = {s: [p.grad.tolist() for p in layers[s].parameters()] for s in mine}
-    return {"losses": [float(l) for l in losses], "grads": grads}
+    out = {}
+    for name, csv_path, stage_ranks in runs:
+        num_stages = len(stage_ranks)
+        layers, x, y = _toy(num_stages)
+        mine = [s for s in range(num_stages) if stage_ranks[s] == rank]
+        stages = [PipelineStage(layers[s], s, num_stages, torch.device("cpu")) for s in mine]
+        schedule = _PipelineScheduleRuntime(stages, MICROBATCHES, loss_fn=torch.nn.functional.mse_loss)
+        losses = []
+        args = (x,) if 0 in mine else ()
+        target = y if num_stages - 1 in mine else None
+        try:
+            schedule._load_csv(csv_path)
+            schedule.step(*args, target=target, losses=losses)
+        except Exception as e:  # the launch's error then names the schedule that failed
+            raise RuntimeError(f"{name}'s CSV on rank {rank}: {e}") from e
+        # Plain lists: tensors sent through the result queue would need the dead child's shared memory.
+        grads = {s: [p.grad.tolist() for p in layers[s].parameters()] for s in mine}
+        out[name] = {"losses": [float(l) for l in losses], "grads": grads}
+    return out
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["v-half", "v-min", "zb-h1", "1f1b"])
-def test_exported_csv_runs_in_torch_pipelining(name, tmp_path):
+NAMES = ["v-half", "v-min", "zb-h1", "1f1b"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (its schedule, each rank's losses and gradients)}, from one launch."""
+    tmp, schedules, runs = tmp_path_factory.mktemp("torch_csv"), {}, []
+    for name in NAMES:
+        schedules[name] = schedule = registry.build(name, PP, MICROBATCHES)
+        path = tmp / f"{name}.csv"
+        export.write(schedule, str(path), "torch-csv")
+        runs.append((name, str(path), [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]))
+    results = launch(_pipeline_rank, PP, (runs,), timeout=240, backend="gloo")
+    return {name: (schedules[name], [r[name] for r in results]) for name in NAMES}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_exported_csv_runs_in_torch_pipelining(runs, name):
     import torch
 
-    schedule = registry.build(name, PP, MICROBATCHES)
-    path = tmp_path / f"{name}.csv"
-    export.write(schedule, str(path), "torch-csv")
+    schedule, results = runs[name]
     stage_ranks = [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]
-
-    results = launch(_pipeline_rank, PP, (str(path), stage_ranks), timeout=120, backend="gloo")
-
     ref_losses, ref_grads = _reference(schedule.num_stages)
     last = stage_ranks[-1]
     assert results[last]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
