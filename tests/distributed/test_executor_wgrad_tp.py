@@ -14,14 +14,22 @@ from megatron_vshape.integration.launch import launch
 S, BATCH, IN, OUT = 4, 2, 6, 8
 
 
-def _job(rank, world_size, sequence_parallel):
+def _job(rank, world_size):
+    """Both cases on the same two ranks (one spawn): {sequence_parallel: this rank's result}."""
+    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
+
+    init_megatron(tp=world_size, pp=1)
+    out = {sp: _case(rank, world_size, sp) for sp in (False, True)}
+    destroy_megatron()
+    return out
+
+
+def _case(rank, world_size, sequence_parallel):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
     from megatron_vshape.runtime import wgrad
 
-    init_megatron(tp=world_size, pp=1)
     g = torch.Generator().manual_seed(0)
     w_full, x_full = torch.randn(OUT, IN, generator=g), torch.randn(S, BATCH, IN, generator=g)
     cfg = ModelParallelConfig(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel,
@@ -40,14 +48,18 @@ def _job(rank, world_size, sequence_parallel):
         (y * y).sum().backward()
     grad_before_w = layer.weight.grad
     wgrad.run(entries)
-    destroy_megatron()
     return {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "before_w": grad_before_w}
 
 
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_job, 2, timeout=120)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_split_linear_tp2(sequence_parallel):
+def test_split_linear_tp2(runs, sequence_parallel):
     tp = 2
-    out = launch(_job, tp, (sequence_parallel,), timeout=120)
+    out = [job[sequence_parallel] for job in runs]
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(OUT, IN, generator=g), torch.randn(S, BATCH, IN, generator=g)
     w.requires_grad_()
