@@ -217,7 +217,6 @@ def _check(case, saved, resumed):
     return loss_diff <= tol
 
 
-# Launches in turn: 2 ranks save (pp=2), 4 ranks resume the tp change and save pp=4, 2 ranks resume the rest.
 CASES = [_case("v-half_to_1f1b", UNTIED, "v-half", "1f1b"),
          _case("tied_1f1b_to_v-zb", TIED, "1f1b", "v-zb", m=1),
          _case("v-min_to_interleaved", UNTIED, "v-min", "1f1b-interleaved"),
@@ -226,20 +225,41 @@ CASES = [_case("v-half_to_1f1b", UNTIED, "v-half", "1f1b"),
          _case("pp4_to_pp2", UNTIED, "v-half", "v-zb", pp_a=4)]
 
 
-@pytest.mark.timeout(900)  # three launches, each bounded by its own timeout
-def test_resume_under_another_schedule_pp_and_tp(tmp_path):
-    saved, resumed, errors = {}, {}, None
+# Uneven layouts: global layer numbers do not depend on the layout, so a checkpoint moves between them.
+LAYOUT_CASES = [_case("uneven_v_to_another", UNTIED, "v-zb", "v-half", layout_a=(3, 1, 2, 2), layout_b=(1, 3, 3, 1)),
+                _case("tied_uneven_v_to_uneven_1f1b", TIED, "v-half", "1f1b", m=1, layout_a=(2, 2, 3, 1),
+                      layout_b=(5, 3))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case of both tests below, in three launches (spawning dominates the cost): 2 ranks save
+    (pp=2), 4 ranks resume the tp change and save pp=4, 2 ranks resume the rest and meet the errors."""
+    root, saved, resumed, errors = str(tmp_path_factory.mktemp("checkpoints")), {}, {}, None
     for world_size, save, errors_too in ((2, True, False), (4, True, False), (2, False, True)):
-        jobs = launch(_job, world_size, (CASES, str(tmp_path), save, errors_too), timeout=290)
+        jobs = launch(_job, world_size, (CASES + LAYOUT_CASES, root, save, errors_too), timeout=290)
         saved.update(_merge([job["saved"] for job in jobs]))
         resumed.update(_merge([job["resumed"] for job in jobs]))
         errors = errors or jobs[0].get("errors")
+    return saved, resumed, errors
+
+
+@pytest.mark.timeout(900)  # three launches, each bounded by its own timeout
+def test_resume_under_another_schedule_pp_and_tp(runs):
+    saved, resumed, errors = runs
     failed = [case["id"] for case in CASES if not _check(case, saved, resumed)]
     assert not failed, failed
     missing, other_model = errors
     assert missing and "no checkpoint to load at" in missing and "nothing-here" in missing, missing
     assert other_model and "num_layers=8 (this model: 4)" in other_model and "hidden_size=32 (this model: 48)" in other_model, other_model
     print("errors:", missing, other_model, sep="\n  ")
+
+
+@pytest.mark.timeout(900)  # the launches, if this test runs first
+def test_resume_under_another_layout(runs):
+    saved, resumed, _ = runs
+    failed = [case["id"] for case in LAYOUT_CASES if not _check(case, saved, resumed)]
+    assert not failed, failed
 
 
 def test_which_checkpoint_a_path_names(tmp_path):
@@ -261,20 +281,3 @@ def test_which_checkpoint_a_path_names(tmp_path):
     os.makedirs(done)
     open(os.path.join(done, "metadata.json"), "w").write("{}")
     assert find_checkpoint(str(tmp_path)) == done == find_checkpoint(done)
-
-
-# Uneven layouts: global layer numbers do not depend on the layout, so a checkpoint moves between them.
-LAYOUT_CASES = [_case("uneven_v_to_another", UNTIED, "v-zb", "v-half", layout_a=(3, 1, 2, 2), layout_b=(1, 3, 3, 1)),
-                _case("tied_uneven_v_to_uneven_1f1b", TIED, "v-half", "1f1b", m=1, layout_a=(2, 2, 3, 1),
-                      layout_b=(5, 3))]
-
-
-@pytest.mark.timeout(600)
-def test_resume_under_another_layout(tmp_path):
-    saved, resumed = {}, {}
-    for save in (True, False):
-        jobs = launch(_job, 2, (LAYOUT_CASES, str(tmp_path), save, False), timeout=290)
-        saved.update(_merge([job["saved"] for job in jobs]))
-        resumed.update(_merge([job["resumed"] for job in jobs]))
-    failed = [case["id"] for case in LAYOUT_CASES if not _check(case, saved, resumed)]
-    assert not failed, failed
