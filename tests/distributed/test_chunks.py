@@ -1,6 +1,7 @@
 """Model chunks per placement: global layer numbers, checkpoint keys, tied embeddings, and a
 hand-driven pipelined step (no schedule executor) whose losses and gradients equal the
-non-pipelined reference.  Each spawned job checks several things to keep CI short."""
+non-pipelined reference.  One launch per world size runs its cases and the references (spawning
+dominates the cost on small machines)."""
 import pytest
 
 from megatron_vshape.integration.launch import launch
@@ -11,11 +12,12 @@ from megatron_vshape.testing.tiny_gpt import TinyGPT, compare, reference_run
 MICROBATCHES = 2
 
 
-def _reference(rank, world_size, tiny):
+def _reference(tiny):
+    """The model without pipelining, on a pp=1 layout already initialised: losses, gradients, names."""
     from megatron_vshape.runtime.chunks import global_named_parameters
     from megatron_vshape.testing.tiny_gpt import build_chunks
 
-    out = reference_run(tiny, MICROBATCHES)
+    out = reference_run(tiny, MICROBATCHES, initialise=False)
     (model,) = build_chunks(tiny, Placement("single", 1))
     out["names"] = sorted(n for n, _ in global_named_parameters(model))
     out["ckpt"] = sorted(_checkpoint_keys(model))
@@ -143,34 +145,54 @@ def _default_embedding_group_error(tiny, placement, tp):
     return None
 
 
+def _tiny(tied, positions):
+    return TinyGPT(num_layers=8, tied_embeddings=tied, position_embedding_type=positions)
+
+
+def _job(rank, world_size, cases, refs_too):
+    """Every case of this world size pipelined; then, with `refs_too`, the references of all cases,
+    split over the data-parallel replicas of a pp=1 layout (spawning dominates the cost)."""
+    from megatron_vshape.testing.tiny_gpt import init_parallel
+
+    results = {case: _pipelined(rank, world_size, _tiny(*case[4:]), *case[:4]) for case in cases
+               if case[1] * case[3] == world_size}
+    refs = {}
+    if refs_too:
+        init_parallel(1, 1, Placement("single", 1))
+        tinies = list(dict.fromkeys(_tiny(*case[4:]) for case in cases))
+        refs = {tiny: _reference(tiny) for tiny in tinies[rank::world_size]}
+    return {"results": results, "refs": refs}
+
+
+# (placement kind, pp, chunks, tp, tied, position embedding)
+CASES = [("v", 2, 2, 1, True, "learned_absolute"), ("v", 4, 2, 1, False, "rope"),
+         ("loop", 2, 2, 1, False, "learned_absolute"), ("v", 2, 2, 2, True, "learned_absolute")]
+
+
 @pytest.fixture(scope="module")
-def reference():
-    cache = {}
-
-    def get(tiny):
-        if tiny not in cache:
-            (cache[tiny],) = launch(_reference, 1, (tiny,), timeout=120)
-        return cache[tiny]
-
-    return get
+def runs():
+    """{case: (the reference, each rank's result)}: one launch per world size (2 and 4 ranks)."""
+    refs, results = {}, {}
+    sizes = sorted({pp * tp for _, pp, _, tp, _, _ in CASES})
+    for world_size in sizes:
+        jobs = launch(_job, world_size, (CASES, world_size == sizes[-1]), timeout=300)
+        for job in jobs:
+            refs.update(job["refs"])
+        results.update({case: [job["results"][case] for job in jobs] for case in jobs[0]["results"]})
+    return {case: (refs[_tiny(*case[4:])], results[case]) for case in CASES}
 
 
 def _expected_layers(placement, rank, per_stage):
     return [[s * per_stage + i + 1 for i in range(per_stage)] for s in placement.stages_of(rank)]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "kind,pp,chunks,tp,tied,positions",
-    [("v", 2, 2, 1, True, "learned_absolute"), ("v", 4, 2, 1, False, "rope"),
-     ("loop", 2, 2, 1, False, "learned_absolute"), ("v", 2, 2, 2, True, "learned_absolute")],
-    ids=["v-pp2-tied", "v-pp4-rope", "loop-pp2", "v-pp2-tp2-tied"],
-)
-def test_chunks_match_unpipelined_model(reference, kind, pp, chunks, tp, tied, positions):
-    tiny = TinyGPT(num_layers=8, tied_embeddings=tied, position_embedding_type=positions)
-    ref = reference(tiny)
+@pytest.mark.timeout(600)  # the launches, if this case runs first
+@pytest.mark.parametrize("case", CASES, ids=["v-pp2-tied", "v-pp4-rope", "loop-pp2", "v-pp2-tp2-tied"])
+def test_chunks_match_unpipelined_model(runs, case):
+    kind, pp, chunks, tp, tied, positions = case
+    tiny = _tiny(tied, positions)
+    ref, results = runs[case]
     placement = Placement(kind, pp, chunks)
-    results = launch(_pipelined, pp * tp, (tiny, kind, pp, chunks, tp), timeout=240)
     per_stage = tiny.num_layers // placement.num_stages
     names, ckpt = set(), set()
     for res in results:
