@@ -9,8 +9,8 @@ STAMP019 := $(VENV019)/.installed
 # with tp 1 and 2 (tied embeddings on the V), a checkpoint saved and resumed under this release, the
 # quickstart's training, the Megatron-LM stand-in, and this release's adaptations (compat, B/W split).
 TESTS019 := tests/unit/test_compat.py tests/unit/test_wgrad.py \
-	"tests/distributed/test_executor_gpt.py::test_every_schedule_and_microbatch_count[2]" \
-	"tests/distributed/test_executor_gpt.py::test_every_schedule_and_microbatch_count[4]" \
+	"tests/distributed/test_executor_gpt.py::test_every_schedule_matches_the_unpipelined_gpt[2]" \
+	"tests/distributed/test_executor_gpt.py::test_every_schedule_matches_the_unpipelined_gpt[4]" \
 	tests/distributed/test_executor_gpt.py::test_tp2_pp2_several_optimizer_steps \
 	tests/distributed/test_executor_gpt.py::test_tp2_pp4_every_schedule \
 	tests/e2e/test_checkpoint_resume.py \

@@ -1,8 +1,12 @@
 """The executor on the tiny megatron-core GPT (megatron_vshape.testing.tiny_gpt) against the same
 model without pipelining, from the same weights and data.
 
-* Every registered schedule x pp {2, 3, 4} x microbatches {pp, 2pp+1, 4pp} (and 1 where the
-  generator allows it): one step, an optimizer update, then forward_only evaluation.
+* Every registered schedule x pp {2, 4} x microbatches {1 (where the generator allows it), 2pp+1}:
+  one step, an optimizer update, then forward_only evaluation; at pp=3 every schedule on uneven
+  stages.  What the model adds to the executor (chunks with embedding and loss, tied weights,
+  an optimizer, evaluation, the loss dicts returned) depends neither on pp=3 nor on more
+  microbatch counts: test_executor_linear runs every schedule at pp {2, 3, 4} x {1, pp, 2pp+1,
+  4pp} on megatron-core's linear layers, where the schedule's shape is what varies.
 * TP=2 x PP=2, tied embeddings (V) and untied: three steps of torch.optim.SGD with momentum, then
   evaluation, against the same model at TP=2 without pipelining (so pipelining is the only
   difference), and loosely against the one-rank model without TP.
@@ -166,13 +170,14 @@ def _run(tp, pp, cases, steps, sanity=False):
           + (f"; against one rank without TP: grad {worst_no_tp:.2e}" if sanity else ""))
 
 
-@pytest.mark.parametrize("pp", [2, 3, 4])
-def test_every_schedule_and_microbatch_count(pp):
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_schedule_matches_the_unpipelined_gpt(pp):
     # 2pp layers: pp stages of two layers (single placement), 2pp stages of one (loop, V).
     untied = TinyGPT(num_layers=2 * pp, seq_length=8)
     # Tied embeddings on the V, where both ends live on rank 0; m=1 adds in the reference's order.
     tied = TinyGPT(num_layers=2 * pp, seq_length=8, tied_embeddings=True)
-    cases = _cases(untied, pp) + _cases(tied, pp, names=["v-zb", "v-half", "v-min"], counts=[1, 2 * pp + 1])
+    counts = [1, 2 * pp + 1]
+    cases = _cases(untied, pp, counts=counts) + _cases(tied, pp, names=["v-zb", "v-half", "v-min"], counts=counts)
     _run(tp=1, pp=pp, steps=1, cases=cases)
 
 

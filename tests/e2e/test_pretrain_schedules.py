@@ -1,6 +1,11 @@
-"""The pretraining driver under every registered schedule, tied embeddings (Megatron's default),
-on 4 gloo ranks, against the same run without pipelining (pp=1, one rank): same flags, seed and
-mock data, so the per-iteration losses must agree.
+"""The pretraining driver on every way it builds and trains a pipeline, tied embeddings (Megatron's
+default), on 4 gloo ranks, against the same run without pipelining (pp=1, one rank): same flags,
+seed and mock data, so the per-iteration losses must agree.
+
+The driver's paths differ by placement (single, loop, V), by the backward (BW, or B/W split) and by
+planning on every rank (v-auto): one schedule per path at pp=4, two data-parallel pipelines, and
+uneven stages.  That every registered schedule computes the unpipelined model's gradients is
+test_executor_gpt's and test_executor_linear's job; the driver hands the name to the executor.
 
 Three AdamW iterations with gradient clipping (the first at learning rate 0: Megatron's warm-up
 starts there); the global gradient norm of every iteration is compared too.  Losses are not bitwise equal: a tied embedding's
@@ -19,6 +24,9 @@ FLAGS = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--lr-warmup-iters", "1", "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "3"]
 RTOL = 1e-5
+# One schedule per path through the driver: single placement with BW and with B/W split, loop, the V
+# (split), and the V planned on every rank under a memory budget.
+PATHS = ["1f1b", "zb-h1", "1f1b-interleaved", "v-half", "v-auto"]
 
 
 def _plan(argv, world_size):
@@ -42,8 +50,7 @@ def _runs(rank, world_size, cases):
 
 
 def _cases(world_size):
-    cases = [(name, FLAGS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", name])
-             for name in registry.names() if name != "auto"]
+    cases = [(name, FLAGS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", name]) for name in PATHS]
     # Data parallelism: two pipelines of two ranks, gradients averaged over the replicas.
     cases.append(("v-half pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"]))
     cases.append(("1f1b pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]))
@@ -60,8 +67,18 @@ def _cases(world_size):
     return cases
 
 
+def test_the_paths_cover_every_placement_and_backward():
+    """PATHS stays one per path as schedules are added: every (placement, split backward) that a
+    registered schedule has at pp=4 is among them."""
+    def path(name):
+        s = registry.build(name, 4, 8)
+        return s.placement.kind, s.split_backward
+
+    assert {path(n) for n in registry.names()} == {path(n) for n in PATHS}
+
+
 @pytest.mark.timeout(600)
-def test_every_schedule_trains_tied_like_the_model_without_pipelining():
+def test_every_driver_path_trains_tied_like_the_model_without_pipelining():
     cases = _cases(4)
     for _, argv in cases:  # validated in the parent, before any process group, as the driver does
         _plan(argv, 4)
