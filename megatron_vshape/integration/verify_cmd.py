@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=nonnegative_float, default=1e-6,
                         help="largest accepted loss difference and gradient difference relative to the largest "
                              "reference gradient")
-    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds for each launch of ranks")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="seconds for each launch of ranks, from the moment their process groups are ready")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
