@@ -19,8 +19,9 @@ API
   its process group ready, so a slow start (spawning, importing torch on a loaded machine)
   never eats into it.  ``startup_timeout`` (seconds) bounds that start, from the spawn to the
   last rank ready.  When either passes, every rank still running is killed and
-  ``LaunchError`` names the ranks that were late.  ``pg_timeout`` (seconds, default
-  ``timeout``) bounds each collective inside the ranks.
+  ``LaunchError`` names the ranks that were late.  ``pg_timeout`` (seconds) bounds each
+  collective inside the ranks; by default the larger of the two bounds, so that a hang is the
+  parent's timeout (a rank's own collective timeout would race it with another error).
 * A rank that raises, or dies without a result (segfault, ``os._exit``, OOM kill), makes
   ``launch`` kill the others and raise ``LaunchError`` naming that rank, with its traceback
   or exit code.  ``launch`` never hangs.
@@ -83,7 +84,7 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, 
         rendezvous = timedelta(seconds=max(pg_timeout, startup_timeout))
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=rendezvous)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous)
-        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        if pg_timeout < startup_timeout and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout))
         results.put(("ready", rank, None))  # the parent starts fn's clock when every rank is here
         out = fn(rank, world_size, *args, **kwargs)
@@ -111,7 +112,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     backend = backend or default_backend(world_size)
-    pg_timeout = float(pg_timeout or timeout)
+    pg_timeout = float(pg_timeout or max(timeout, startup_timeout))
     # The parent owns the rendezvous store: port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=max(pg_timeout, startup_timeout)))
