@@ -133,9 +133,17 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
     dead_since: Dict[int, float] = {}
     try:
         while len(out) < world_size:
-            # Drain results first: a child cannot exit before its queued result is read.
+            now = time.monotonic()
+            if now > deadline:
+                if len(ready) < world_size:
+                    missing, what = [r for r in range(world_size) if r not in ready], "did not get their process group ready"
+                else:
+                    missing, what = [r for r in range(world_size) if r not in out], "did not finish (hung or too slow)"
+                raise LaunchError(f"launch {late}: rank(s) {missing} of {world_size} {what}; all ranks were killed")
+            # Drain results first: a child cannot exit before its queued result is read.  Waiting
+            # no longer than the deadline, so what arrives after it is never taken as in time.
             try:
-                status, rank, value = results.get(timeout=0.2)
+                status, rank, value = results.get(timeout=min(0.2, deadline - now))
             except queue_mod.Empty:
                 status = None
             if status == "error":
@@ -157,12 +165,6 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
                 if now - first > 2.0:
                     raise LaunchError(f"rank {rank} of {world_size} died without a result "
                                       f"(exit code {p.exitcode}); see its output above")
-            if now > deadline:
-                if len(ready) < world_size:
-                    missing, what = [r for r in range(world_size) if r not in ready], "did not get their process group ready"
-                else:
-                    missing, what = [r for r in range(world_size) if r not in out], "did not finish (hung or too slow)"
-                raise LaunchError(f"launch {late}: rank(s) {missing} of {world_size} {what}; all ranks were killed")
         return [out[r] for r in range(world_size)]
     finally:
         for p in procs:
