@@ -231,14 +231,12 @@ def orders(P, at: Sequence[int]) -> List[List[int]]:
 class _LazyW:
     """One rank's F's and B's by slot with its W's left out: each W runs in the first empty
     slot after its B, in the order of the B's.  Keeps the state (live activations, W's
-    waiting) before every slot, so trying a move re-runs only the slots after it."""
+    waiting) before every slot, so trying a move re-runs only the slots after it.  `row`: the
+    op in each slot (-1: none), W's left out."""
 
-    def __init__(self, P, r: int, at: List[int], n: int):
-        self.P, self.row = P, [-1] * n
-        for o, t in enumerate(at):
-            if P.rank[(o // 3) % P.S] == r and o % 3 != 2:
-                self.row[t] = o
-        self.state: List[Tuple[float, Tuple[float, ...]]] = [(0.0, ())] * (n + 1)
+    def __init__(self, P, row: List[int]):
+        self.P, self.row = P, row
+        self.state: List[Tuple[float, Tuple[float, ...]]] = [(0.0, ())] * (len(row) + 1)
         self.rerun(0)
 
     def rerun(self, start: int, cap: float = float("inf"), until: int = -1) -> float:
@@ -282,7 +280,11 @@ def _squeeze_cooldown(P, at: List[int], after: int) -> None:
     past slot `after` to its earliest free slot that keeps the rank within the cap; then
     put the W's back where they run."""
     n = max(at) + 2 * PERIOD * P.pp + 2
-    lazy = [_LazyW(P, r, at, n) for r in range(P.pp)]
+    rows = [[-1] * n for _ in range(P.pp)]
+    for o, t in enumerate(at):  # one pass over the ops for every rank's row
+        if o % 3 != 2:
+            rows[P.op_rank[o]][t] = o
+    lazy = [_LazyW(P, row) for row in rows]
     ops = sorted((o for o in range(len(at)) if o % 3 != 2 and at[o] > after),
                  key=lambda o: (at[o], P.rank[(o // 3) % P.S]))
     for o in ops:
