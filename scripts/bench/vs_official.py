@@ -14,7 +14,7 @@ to 2p.  It is too large to run whole (the official scheduler takes seconds to mi
 point), so --sample N draws N points uniformly from it with --seed; --pp/--factors restrict it.
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
-                                        [--pp 4,5,...] [--max-m 64] [--csv out/vs_official.csv]
+                                        [--pp 4,5,...] [--max-m 64] [--points 10:23:18,...] [--csv out/vs_official.csv]
 """
 from __future__ import annotations
 
@@ -95,9 +95,21 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly from the grid (0: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--csv", default="out/vs_official.csv")
+    ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
-    official = load(args.official)
     grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c]))
+    if args.points:
+        try:
+            wanted = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")}
+            assert all(len(p) == 3 for p in wanted)
+        except (ValueError, AssertionError):
+            print(f"--points {args.points!r}: give PP:M:CAP triples separated by commas, e.g. 10:23:18", file=sys.stderr)
+            return 2
+        grid = [g for g in grid if (g[0], g[1], g[3]) in wanted]
+        if not grid:
+            print(f"--points {args.points!r}: none on the grid (pp in --pp, m from p to min(8p, --max-m), cap from V-Min's to 2p)", file=sys.stderr)
+            return 2
+    official = load(args.official)
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
     rows = []
