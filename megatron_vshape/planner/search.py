@@ -12,9 +12,10 @@ candidates and keeps the shortest under the simulator's rules:
     ever wait for memory that never frees); W's fill waits, or run when memory is needed.
     Which op is most urgent is a priority rule; a fixed family of rules is tried;
   * blocks repeated and squeezed on unit slots (slots.py, `_squeezed_candidates`): the
-    paper's V-Min and V-Half blocks and the uniform-offset family (the shortest blocks, and
-    in v-auto those of the shortest steady period under the real costs too), warm-up and
-    cool-down moved to their earliest free slots under the cap;
+    paper's V-Min and V-Half blocks and the uniform-offset family (the shortest blocks; in
+    v-auto's long runs those of the best estimated plan instead, `_estimated`, and those of
+    the shortest steady period under the real costs too), warm-up and cool-down moved to
+    their earliest free slots under the cap;
   * with few microbatches (m <= p, short runs), the squeezed and greedy candidates built
     for one stage-activation more, repaired under the cap (`refit`);
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
