@@ -247,10 +247,11 @@ def _top_blocks(P: Problem, by_period: bool) -> Tuple[List[Tuple[str, slots.Bloc
     return shortest, [(f"{name} (period {period[b]:g})", b) for name, b in within([(n, b) for _, n, b in rest], PERIOD_OPS)]
 
 
-def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> List[Tuple[str, slots.Block]]:
+def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]]]:
     """v-auto's long runs: the uniform-offset blocks at the cap to squeeze instead of
     `shortest` (_top_blocks' name-order list), chosen by a cheap estimate of their real-cost
-    plan, within the ops that squeezing `shortest` would take.
+    plan, within the ops that squeezing `shortest` would take; and the blocks of `shortest`
+    it passed over (a late start: the estimate misjudges some).
 
     The estimate of a block: squeezed once on min(m, p) microbatches (a whole warm-up and
     cool-down, where blocks of one steady peak differ most; steady mode, both passes) plus
@@ -281,7 +282,7 @@ def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> List[
             break
         work -= squeeze[block]
         chosen.append((f"uniform block {block[0]}/{block[1]} (estimate {guess[block]:.5g})", block))
-    return chosen
+    return chosen, [x for x in shortest if x[1] not in {b for _, b in chosen}]
 
 
 @lru_cache(maxsize=2)  # _top_blocks and _estimated of one problem ask for the same ones
@@ -435,6 +436,7 @@ class _Starts:
     refits: list
     relisted: list
     by_period: list
+    by_length: list
 
     @property
     def includes_named(self) -> bool:
@@ -469,7 +471,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     # estimates (_estimated), within the squeezed ops the shortest would take.
     own = n_ops > RELAX_OPS and name not in dict(NAMED_BUDGETS)
     shortest, periodic = _top_blocks(P, by_period=own)
-    ranked = _estimated(P, shortest) if own else shortest
+    ranked, passed = _estimated(P, shortest) if own else (shortest, [])
     relisted = []
     for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + ranked, relisted=n_ops > RELAX_OPS):
         cands.append((P.evaluate(order), 50 + len(cands), order, how))
@@ -480,6 +482,10 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     for order, how in _squeezed_candidates(P, periodic, PERIOD_STRETCHED, whole=False, relisted=True):
         got, better = relist(P, order)
         by_period.append((got, len(by_period), better, how + ", cool-down relisted"))
+    by_length = []  # the shortest blocks the estimate passed over, squeezed as the periodic ones: tried last
+    for order, how in _squeezed_candidates(P, passed, PERIOD_STRETCHED, whole=False, relisted=True):
+        got, better = relist(P, order)
+        by_length.append((got, len(by_length), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
@@ -496,7 +502,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    return _Starts(cands, refits, relisted, by_period)
+    return _Starts(cands, refits, relisted, by_period, by_length)
 
 
 @dataclass
@@ -652,12 +658,15 @@ def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain,
     with a quarter of one start's share (planning time), kept if shorter: starts in their own
     basins, tried after the rest so that they never displace them.  `plain` is the plan
     before justification: a late start that would have displaced it is relisted too."""
-    for k, late in enumerate((starts.relisted, starts.by_period)):
+    for k, late in enumerate((starts.relisted, starts.by_period, starts.by_length)):
         if not late or best.score[0] <= P.bound + EPS:
             continue
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
         order, _ = improve(P, order, moves.improve_work // (RELIST_SHARE * n_starts), seed=n_starts + 1 + k)
         why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
+        if late is starts.by_length:  # the start it stands in for would have been justified
+            order, ms = justify.justify_search(P, order, moves.justify_tries, seed=n_starts, rounds=1)
+            why += f" + justified ({ms:g})"
         got = P.evaluate(order)
         if got[0] < best.score[0] - EPS:
             best.finalists.append((best.score, best.order, best.how))
