@@ -431,7 +431,8 @@ def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[st
 class _Starts:
     """The candidate orders of one problem (each (score, tie-break, order, how)): `cands`
     ranked, `refits` (other basins: improved besides the best few), and the late starts
-    `relisted` and `by_period`, tried after everything else."""
+    `relisted`, `by_period` and `by_length` (v-auto's shortest blocks its estimate passed
+    over), tried after everything else."""
     cands: list
     refits: list
     relisted: list
@@ -654,7 +655,8 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 
 
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
-    """Step 5: the best relisted block, then the best of the shortest periods, each improved
+    """Step 5: the best relisted block, then the best of the shortest periods, then the best
+    of the shortest blocks v-auto's estimate passed over (justified once too), each improved
     with a quarter of one start's share (planning time), kept if shorter: starts in their own
     basins, tried after the rest so that they never displace them.  `plain` is the plan
     before justification: a late start that would have displaced it is relisted too."""
