@@ -281,7 +281,7 @@ def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple
         if guess[block] == math.inf or work < squeeze[block]:
             break
         work -= squeeze[block]
-        chosen.append((f"uniform block {block[0]}/{block[1]} (estimate {guess[block]:.5g})", block))
+        chosen.append((f"uniform block {block[0]}/{block[1]} (period {period[block]:g}) (estimate {guess[block]:.5g})", block))
     return chosen, [x for x in shortest if x[1] not in {b for _, b in chosen}]
 
 
