@@ -259,12 +259,12 @@ def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple
     while what is left still pays for one chosen block's squeeze: the shortest block (the
     name order's first, so it is never left unjudged), then the rest in order of steady
     period (the term that grows with m; ties shortest first); then the best-estimated are
-    squeezed while the rest lasts.  Block length says little: at pp=10, m=23, 2,2.2,1.6,0.05, cap 18
-    the six shortest of 50 blocks relisted to 152.4 at best, the block of the best estimate
-    to 149.3 (the best of all 50)."""
+    squeezed while the rest lasts.  Block length says little: at pp=10, m=23,
+    2,2.2,1.6,0.05, cap 18 the six shortest of 50 blocks relisted to 152.4 at best, the
+    block of the best estimate to 149.3 (the best of all 50)."""
     fitting = _fitting_blocks(P)
     if not fitting:
-        return []
+        return [], []
     Q = P if P.m <= P.pp else Problem(P.pp, P.pp, P.costs, P.table, P.cap)
     period = _steady_periods(P)
     squeeze = {b: _squeezed_ops(P, b) for _, b in fitting}
