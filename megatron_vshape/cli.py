@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .argtypes import EXIT_CONFIG_ERROR, EXIT_RUN_ERROR, Parser, check_output_paths, fail, output_path, \
     positive_int, quiet_megatron_notices
@@ -221,12 +221,13 @@ def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
 
 
 def compare_rows(pp: int, microbatches: int, costs: Costs, memory_budget: Optional[float] = None,
-                 stage_costs=None) -> List[dict]:
-    """One row per registered schedule (v-auto at the budget, default 1.0); a schedule that cannot
-    serve the sizes gives its reason.  With stage costs, `equal_plan_makespan` is the
-    makespan under them of the plan made for equal stages (the gain of planning for them)."""
+                 stage_costs=None, names: Optional[Sequence[str]] = None) -> List[dict]:
+    """One row per registered schedule, or per name of `names` in that order (v-auto at the budget,
+    default 1.0); a schedule that cannot serve the sizes gives its reason.  With stage costs,
+    `equal_plan_makespan` is the makespan under them of the plan made for equal stages (the gain of
+    planning for them)."""
     rows = []
-    for name in registry.names():
+    for name in registry.names() if names is None else names:
         row: dict = {"schedule": name}
         options = {"memory_budget": memory_budget} if name == "v-auto" and memory_budget is not None else {}
         try:

@@ -77,6 +77,17 @@ def test_compare_has_every_schedule_and_reasons_instead_of_crashes():
         assert any(line.startswith(name + " ") for line in text.stdout.splitlines())
 
 
+def test_compare_rows_builds_only_the_named_schedules_in_their_order():
+    """The selection callers (tests) use to skip planning schedules they do not look at."""
+    from megatron_vshape import cli
+    from megatron_vshape.schedule.ops import Costs
+
+    full = {row["schedule"]: row for row in cli.compare_rows(4, 6, Costs())}
+    picked = cli.compare_rows(4, 6, Costs(), names=["v-half", "1f1b-interleaved", "1f1b"])
+    assert [row["schedule"] for row in picked] == ["v-half", "1f1b-interleaved", "1f1b"]
+    assert all(row == full[row["schedule"]] for row in picked)  # same rows as the full table's
+
+
 @pytest.mark.parametrize("fmt", ["json", "torch-csv"])
 def test_export(fmt, tmp_path):
     path = tmp_path / f"s.{fmt}"

@@ -3,8 +3,9 @@ simulation, a bound holds, and outside a formula's conditions there is no number
 import pytest
 
 from megatron_vshape.cli import compare_rows
+from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import Costs
-from megatron_vshape.schedule.predictions import predict
+from megatron_vshape.schedule.predictions import Prediction, predict
 
 COSTS = [Costs(), Costs(2, 2.2, 1.6, 0), Costs(2, 2.2, 1.6, 0.05)]
 
@@ -13,7 +14,9 @@ COSTS = [Costs(), Costs(2, 2.2, 1.6, 0), Costs(2, 2.2, 1.6, 0.05)]
 @pytest.mark.parametrize("costs", COSTS, ids=str)
 def test_predictions_match_or_bound_the_simulation(p, costs):
     for m in sorted({1, 2, p - 1, p, 2 * p + 1, 3 * p} - {0}):
-        for row in compare_rows(p, m, costs):
+        # Only the schedules with a figure to check here: planning the others (v-auto) proves nothing.
+        names = [n for n in registry.names() if predict(n, p, m, costs) != Prediction()]
+        for row in compare_rows(p, m, costs, names=names):
             if "error" in row:
                 continue
             pred, where = row["prediction"], (row["schedule"], p, m)
