@@ -120,18 +120,15 @@ def test_the_script_itself_exits_2_on_a_configuration_error():
 
 
 @pytest.mark.timeout(400)
-def test_quickstart_on_two_processes(tmp_path):
-    """`make demo`'s script on the pp=2 tiny config with few iterations: picture, both runs, table."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "quickstart.py"), "--config",
-           os.path.join(ROOT, "configs", "tiny", "tiny-cpu-pp2.yaml"), "--nproc", "2", "--iters", "3",
-           "--baseline-iters", "1", "--out", str(tmp_path), "--speed-runs", "2", "--speed-steps", "1"]
-    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=380)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert (tmp_path / "quickstart-v-half-pp2-m8.svg").exists()
+def test_quickstart_on_two_processes(quickstart_pp2):
+    """`make demo`'s script on the pp=2 tiny config with few iterations: picture, both runs, table
+    (the session's one quickstart run, conftest.py)."""
+    run, out = quickstart_pp2
+    assert (out / "quickstart-v-half-pp2-m8.svg").exists()
     assert "iteration        3/       3" in run.stdout and "loss (v-half):" in run.stdout
     table = run.stdout[run.stdout.index("vs 1f1b peak"):].splitlines()[1:3]
     assert [line.split()[0] for line in table] == ["0", "1"]
     speed = run.stdout[run.stdout.index("3) speed"):].splitlines()
-    assert "2 launches of 2 processes x 1 steps each" in speed[0] and "simulated vs 1f1b" in speed[1]
+    assert "1 launches of 2 processes x 1 steps each" in speed[0] and "simulated vs 1f1b" in speed[1]
     rows = [line.split() for line in speed[2:5]]
     assert [r[0] for r in rows] == ["1f1b", "v-half", "v-zb"] and all(float(x) > 0 for r in rows for x in r[1:4])

@@ -1,0 +1,24 @@
+"""The quickstart demo at its smallest, run once per session: test_pretrain_cli checks its output
+is whole and test_readme checks the README's speed section against it (one demo, not two)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICKSTART_TIMEOUT = 380  # seconds, the whole demo on a loaded 2-core machine; tests using it allow more
+
+
+@pytest.fixture(scope="session")
+def quickstart_pp2(tmp_path_factory):
+    """(completed process, output folder) of `scripts/quickstart.py` on the pp=2 tiny config: few
+    iterations, and the speed section's fewest launches and steps (its times are not asserted)."""
+    out = tmp_path_factory.mktemp("quickstart")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "quickstart.py"), "--config",
+           os.path.join(ROOT, "configs", "tiny", "tiny-cpu-pp2.yaml"), "--nproc", "2", "--iters", "3",
+           "--baseline-iters", "1", "--out", str(out), "--speed-runs", "1", "--speed-steps", "1"]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=QUICKSTART_TIMEOUT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run, out
