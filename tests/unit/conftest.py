@@ -1,0 +1,36 @@
+"""One plan per problem for the whole session: search._plan's own cache holds 256 plans, fewer than
+the generator grid (pp up to 16, m up to 128, about a second each), so other files planned the same
+problems again.  A test that calls search._plan.cache_clear() still plans for real for the rest of
+itself; the session's plans come back after it."""
+import pytest
+
+from megatron_vshape.planner import search
+
+
+class SessionPlans:
+    """search._plan's results by its arguments, unbounded; cache_clear() as lru_cache's, for one test."""
+
+    def __init__(self, fn):
+        self.fn, self.live, self.kept = fn, {}, {}
+
+    def __call__(self, *args):
+        if args not in self.live:
+            self.live[args] = self.fn(*args)
+        return self.live[args]
+
+    def cache_clear(self):
+        self.kept.update(self.live)
+        self.live = {}
+
+    def end_test(self):
+        self.kept.update(self.live)
+        self.live, self.kept = self.kept, {}
+
+
+search._plan = SessionPlans(search._plan.__wrapped__)
+
+
+@pytest.fixture(autouse=True)
+def _session_plans_back_after_each_test():
+    yield
+    search._plan.end_test()
