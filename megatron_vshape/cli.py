@@ -173,11 +173,15 @@ def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
 
     if not args.time_limit > 0:
         raise ConfigError(f"--time-limit {args.time_limit:g}: give the solver's time in seconds, > 0 (e.g. 30)")
+    work = getattr(args, "work_limit", None)
+    if work is not None and not work > 0:
+        raise ConfigError(f"--work-limit {work:g}: give the solver's deterministic time, > 0 (e.g. 5)")
+    within = f"{args.time_limit:g} s" if work is None else f"{work:g} of deterministic time"
     problem = optimal.problem_of(schedule, getattr(args, "memory_budget", None))
-    result = optimal.solve(problem, args.time_limit, hint=schedule)
+    result = optimal.solve(problem, args.time_limit, hint=schedule, work_limit=work)
     base = simulate(schedule)
     if result.schedule is None:
-        print(f"optimal: no schedule found in {args.time_limit:g} s ({result.status}); lower bound {result.bound:g}; "
+        print(f"optimal: no schedule found in {within} ({result.status}); lower bound {result.bound:g}; "
               f"{schedule.name} as generated: {base.makespan:g}")
         return 1 if result.status == "unknown" else EXIT_CONFIG_ERROR
     solved, sim = result.schedule, simulate(result.schedule)
@@ -201,7 +205,7 @@ def plan_optimal(args: argparse.Namespace, schedule: Schedule) -> int:
         print(json.dumps({**summary(solved, sim), "optimal": info, "written": written}, indent=2))
         return 0
     exact = "exact" if not result.rounded else f"costs rounded to 1/{result.scale}"
-    word = "optimal (proven)" if result.status == "optimal" else f"best found in {args.time_limit:g} s"
+    word = "optimal (proven)" if result.status == "optimal" else f"best found in {within}"
     print(f"exact reference   {schedule.name}'s problem: placement {problem.placement.kind}, "
           f"{'B/W split' if problem.split else 'combined backward'}, budget {problem.memory_budget:.4g} of 1F1B "
           f"({problem.cap:g} stage-activations per rank)")
@@ -553,6 +557,9 @@ def parser() -> argparse.ArgumentParser:
                    help="solve the schedule's problem exactly (placement, costs, memory budget) with OR-Tools CP-SAT "
                         "(pip install '.[optimal]'): best schedule found and proven lower bound")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="seconds for --optimal (default 30)")
+    p.add_argument("--work-limit", type=float, default=None, metavar="W",
+                   help="stop --optimal after W of CP-SAT's deterministic time on one worker, so the result is the "
+                        "same on any machine (--time-limit then only guards the wall clock)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("compare", help="every registered schedule side by side")

@@ -230,7 +230,7 @@ def test_cli_prints_bound_and_exports(tmp_path):
 
     path = tmp_path / "opt.json"
     rc = main(["plan", "--schedule", "v-min", "--pp", "3", "--microbatches", "3", "--costs", "2,2.2,1.6,0.05",
-               "--optimal", "--time-limit", str(TIME_LIMIT), "--export", str(path)])
+               "--optimal", "--time-limit", str(TIME_LIMIT), "--work-limit", str(WORK), "--export", str(path)])
     assert rc == 0
     data = json.loads(path.read_text())
     s = export.load_json(str(path))  # verifies, within the recorded memory budget
@@ -256,3 +256,10 @@ if __name__ == "__main__":  # prove the stored optima again (minutes)
         same = result.status == "optimal" and abs(result.makespan - optimum(inst)) < 1e-9
         print(f"{ID(inst)}: {result.status} {result.makespan:g} (stored {optimum(inst):g}) "
               f"{'ok' if same else 'DIFFERS'} in {result.wall_s:.0f}s", flush=True)
+
+
+def test_cli_refuses_a_work_limit_that_is_not_positive(capsys):
+    from megatron_vshape.cli import main
+
+    rc = main(["plan", "--schedule", "v-min", "--pp", "3", "--microbatches", "3", "--optimal", "--work-limit", "0"])
+    assert rc == 2 and "--work-limit 0: give the solver's deterministic time" in capsys.readouterr().err
