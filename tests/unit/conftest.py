@@ -1,17 +1,20 @@
 """One plan per problem for the whole session: search._plan's own cache holds 256 plans, fewer than
 the generator grid (pp up to 16, m up to 128, about a second each), so other files planned the same
 problems again.  A test that calls search._plan.cache_clear() still plans for real for the rest of
-itself; the session's plans come back after it."""
+itself; the session's plans come back after it, and the plans it made are dropped."""
 import pytest
 
 from megatron_vshape.planner import search
 
 
 class SessionPlans:
-    """search._plan's results by its arguments, unbounded; cache_clear() as lru_cache's, for one test."""
+    """search._plan's results by its arguments, unbounded; cache_clear() as lru_cache's, for one test.
+
+    Plans made after a cache_clear() are dropped when the test ends, never kept for the session:
+    the tests that clear the cache are the ones that patch the search's constants."""
 
     def __init__(self, fn):
-        self.fn, self.live, self.kept = fn, {}, {}
+        self.fn, self.live, self.saved = fn, {}, None
 
     def __call__(self, *args):
         if args not in self.live:
@@ -19,12 +22,13 @@ class SessionPlans:
         return self.live[args]
 
     def cache_clear(self):
-        self.kept.update(self.live)
+        if self.saved is None:
+            self.saved = self.live
         self.live = {}
 
     def end_test(self):
-        self.kept.update(self.live)
-        self.live, self.kept = self.kept, {}
+        if self.saved is not None:
+            self.live, self.saved = self.saved, None
 
 
 search._plan = SessionPlans(search._plan.__wrapped__)
