@@ -659,9 +659,10 @@ def run(args, plan) -> dict:
     rebalance_at = getattr(args, "pipeline_replan_after", None) if plan and plan.balance else None
     counters = Counters(args.check_for_nan_in_loss_and_grad, args.fp16)
     for it in range(start_iter, args.train_iters):
-        if plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter and not plan.balance:
+        replan_now = plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter
+        if replan_now and not plan.balance:
             replanned = _replan(fb, it)
-        elif plan and it == getattr(args, "pipeline_replan_after", None) and it > start_iter:
+        elif replan_now:
             # --pipeline-balance auto: the layout too, changed at a checkpoint (rebalance.py says why).
             new, replanned, report = rebalance.rebalance(args, plan, recorders, device, it)
             _print0(report)
