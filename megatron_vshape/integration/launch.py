@@ -28,8 +28,11 @@ API
 * ``env``: extra environment variables set in every rank before ``torch.distributed``
   starts.  ``threads``: ``torch.set_num_threads`` per rank (1 keeps N ranks on few cores
   from oversubscribing).
-* Ranks are daemonic spawned processes (they die with the parent; they cannot start child
-  processes such as DataLoader workers).  Results travel as plain pickles, so tensors in
+* Ranks are daemonic processes (they die with the parent; they cannot start child processes
+  such as DataLoader workers).  With a CPU build of torch they are forked from a server process
+  that imported torch and megatron-core once (``PRELOAD``), so a launch does not pay those
+  imports per rank; with a CUDA build they are spawned.  Either way each rank takes the parent's
+  environment as it is at the launch.  Results travel as plain pickles, so tensors in
   them arrive as ordinary copies.
 
 Rendezvous uses a ``TCPStore`` the parent opens on a free port (port 0), so concurrent
@@ -67,8 +70,31 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, pg_timeout, startup_timeout, results):
+# On a CPU build of torch, ranks are forked from one server process that has imported these once
+# (a rank of a tiny model spent most of its start-up importing them: ~4 CPU s with megatron-core's
+# GPT); missing ones are skipped.  None of them touches a device or starts a thread at import.  With
+# a CUDA or ROCm build, ranks are spawned as before: Transformer Engine, which megatron-core's GPT
+# imports when present, may initialise CUDA at import, and a CUDA context must never be forked.
+PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt")
+
+
+def _context():
+    import torch
+
+    device_build = bool(torch.version.cuda or getattr(torch.version, "hip", None))
+    if device_build or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _rank_main(fn, rank, world_size, port, backend, args, kwargs, parent_env, env, threads, pg_timeout,
+               startup_timeout, results):
     try:
+        # The server forked from holds the environment it started with: take the parent's as it is now.
+        os.environ.clear()
+        os.environ.update(parent_env)
         os.environ.update(env)
         os.environ.update({"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(rank),
                            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
@@ -86,6 +112,9 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, env, threads, 
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=rendezvous)
         if pg_timeout < startup_timeout and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout))
+        # Gloo's set-up is no barrier: a rank whose fn returned at once could tear its group down
+        # while a peer still connects to it ("Connection closed by peer" there).
+        dist.barrier()
         results.put(("ready", rank, None))  # the parent starts fn's clock when every rank is here
         out = fn(rank, world_size, *args, **kwargs)
     except BaseException:
@@ -116,13 +145,13 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
     # The parent owns the rendezvous store: port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=max(pg_timeout, startup_timeout)))
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
         p = ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
                         args=(fn, rank, world_size, store.port, backend, tuple(args), dict(kwargs or {}),
-                              dict(env or {}), threads, pg_timeout, startup_timeout, results))
+                              dict(os.environ), dict(env or {}), threads, pg_timeout, startup_timeout, results))
         p.start()
         procs.append(p)
 

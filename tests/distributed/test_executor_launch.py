@@ -2,8 +2,11 @@
 import os
 import time
 
+import multiprocessing
+
 import pytest
 
+from megatron_vshape.integration import launch as launch_module
 from megatron_vshape.integration.launch import LaunchError, launch
 from slow_start import SLOW, ready_rank
 
@@ -35,9 +38,35 @@ def _hang(rank, world_size):
     time.sleep(600)
 
 
-def test_results_by_rank():
+def _env(rank, world_size, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+@pytest.fixture(params=["as_built", "spawn"])
+def start_method(request, monkeypatch):
+    """Ranks started the way this torch build starts them (forked from a preloaded server on a CPU
+    build), and spawned, the way a CUDA build starts them."""
+    if request.param == "spawn":
+        monkeypatch.setattr(launch_module, "_context", lambda: multiprocessing.get_context("spawn"))
+    return request.param
+
+
+def test_results_by_rank(start_method):
     out = launch(_sum_ranks, 3, ("t",), timeout=60)
     assert out == [{"rank": r, "sum": 3.0, "tag": "t"} for r in range(3)]
+
+
+def test_ranks_see_the_parents_environment_as_it_is_at_each_launch(start_method, monkeypatch):
+    """On a CPU build the ranks are forked from a server started at the first launch: a variable
+    set or removed in the parent after that must reach (or leave) the ranks of the next launch
+    all the same, as it does for spawned ranks."""
+    monkeypatch.setenv("VSHAPE_LAUNCH_GONE", "1")
+    launch(_env, 2, (["VSHAPE_LAUNCH_GONE"],), timeout=60)  # the server exists from here on
+    monkeypatch.delenv("VSHAPE_LAUNCH_GONE")
+    monkeypatch.setenv("VSHAPE_LAUNCH_NEW", "after")
+    got = launch(_env, 2, (["VSHAPE_LAUNCH_GONE", "VSHAPE_LAUNCH_NEW", "VSHAPE_LAUNCH_OWN"],),
+                 env={"VSHAPE_LAUNCH_OWN": "mine"}, timeout=60)
+    assert got == [{"VSHAPE_LAUNCH_GONE": None, "VSHAPE_LAUNCH_NEW": "after", "VSHAPE_LAUNCH_OWN": "mine"}] * 2
 
 
 # A failing or dying rank is reported as soon as it fails, so its deadline only guards a hang.
