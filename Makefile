@@ -17,6 +17,10 @@ TESTS019 := tests/unit/test_compat.py tests/unit/test_wgrad.py \
 	tests/e2e/test_pretrain_cli.py::test_quickstart_on_two_processes \
 	tests/e2e/test_megatron_lm_standin.py::test_v_half_tied_pp2_trains_like_the_unpipelined_model
 
+# Two workers, each taking whole files (tests/conftest.py): the CI machine's two cores.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 $(STAMP): requirements-cpu.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
@@ -46,7 +50,7 @@ demo: $(STAMP)
 test: test-mcore016 test-mcore019
 
 test-mcore016: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q $(PARALLEL) tests
 
 test-mcore019: $(STAMP019)
-	$(VENV019)/bin/python -m pytest -q $(TESTS019)
+	$(VENV019)/bin/python -m pytest -q $(PARALLEL) $(TESTS019)
