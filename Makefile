@@ -17,9 +17,9 @@ TESTS019 := tests/unit/test_compat.py tests/unit/test_wgrad.py \
 	tests/e2e/test_pretrain_cli.py::test_quickstart_on_two_processes \
 	tests/e2e/test_megatron_lm_standin.py::test_v_half_tied_pp2_trains_like_the_unpipelined_model
 
-# Two workers, each taking whole files (tests/conftest.py): the CI machine's two cores.
+# Two workers, each taking whole files (a module's fixtures built once): the CI machine's two cores.
 TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 $(STAMP): requirements-cpu.txt setup.py
 	$(PYTHON) -m venv $(VENV)
