@@ -1,5 +1,6 @@
-"""The quickstart demo at its smallest, run once per pytest run (also under make test.s two workers): test_pretrain_cli checks its output
-is whole and test_readme checks the README's speed section against it (one demo, not two)."""
+"""The quickstart demo at its smallest, run once per pytest run (also under `make test`'s two
+workers): test_pretrain_cli checks its output is whole and test_readme checks the README's speed
+section against it (one demo, not two)."""
 import fcntl
 import json
 import os
