@@ -18,7 +18,6 @@ def test_a_cleared_cache_plans_again_then_reuses(monkeypatch):
     assert len(calls) == before + 1  # the session's plans are back
 
 
-
 def test_plans_made_after_a_clear_do_not_outlive_the_test(monkeypatch):
     # The tests that clear the cache patch the search's constants: a plan made then must not be
     # what later tests receive (a full run failed test_optimal's v-auto pp=3 case this way).
