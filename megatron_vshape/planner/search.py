@@ -429,40 +429,41 @@ def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[st
 
 @dataclass
 class _Starts:
-    """The candidate orders of one problem (each (score, tie-break, order, how)): `cands`
-    ranked, `refits` (other basins: improved besides the best few), and the late starts
-    `relisted`, `by_period` and `by_length` (v-auto's shortest blocks its estimate passed
-    over), tried after everything else."""
+    """The candidate orders of one problem, each (score, tie-break, order, how), the
+    tie-break being the order the starts were made in: `cands` ranked, `refits` (other
+    basins: improved besides the best few), and the late starts `relisted`, `by_period` and
+    `by_length` (v-auto's shortest blocks its estimate passed over), tried after everything
+    else.  `includes_named`: v-auto's candidates include the named plan below its budget,
+    whose own search spent a share of the work."""
     cands: list
     refits: list
     relisted: list
     by_period: list
     by_length: list
-
-    @property
-    def includes_named(self) -> bool:
-        """v-auto's candidates include the named plan below its budget (id -1), whose own
-        search spent a share of the work."""
-        return any(c[1] == -1 for c in self.cands)
+    includes_named: bool
 
 
 def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[Tuple[str, float]]) -> _Starts:
-    """Step 1: every start the problem gets (see the module docstring), scored."""
+    """Step 1: every start the problem gets (see the module docstring), scored.  Of starts
+    that score the same, the one made first ranks first: the named plan, the paper's block
+    constructions, the squeezed blocks, the greedy rules."""
     pp, m, table, n_ops = P.pp, P.m, P.table, 6 * P.pp * P.m
     cands: List[Tuple[Tuple[float, float], int, List[List[int]], str]] = []
-    for k, s in enumerate(_legacy(name, pp, m, costs, P.cap)):
-        order = P.encode(s.ranks)
-        got = P.evaluate(order)
-        if got is not None and P.fits(order):
-            cands.append((got, k, order, f"blocks {s.meta.get('candidate')}"))
     if below is not None and n_ops <= NAMED_BELOW_OPS:
         # The V-shape named for the largest budget <= this one fits too: v-auto is never slower
         # than it, and never slower as the budget passes V-Min's, V-Half's and V-ZB's.
         try:
             order, how = _plan(below[0], pp, m, costs, table, below[1])
-            cands.append((P.evaluate([list(o) for o in order]), -1, [list(o) for o in order], f"{below[0]}'s plan: {how}"))
+            cands.append((P.evaluate([list(o) for o in order]), len(cands), [list(o) for o in order],
+                          f"{below[0]}'s plan: {how}"))
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
+    includes_named = bool(cands)
+    for s in _legacy(name, pp, m, costs, P.cap):
+        order = P.encode(s.ranks)
+        got = P.evaluate(order)
+        if got is not None and P.fits(order):
+            cands.append((got, len(cands), order, f"blocks {s.meta.get('candidate')}"))
     # Squeezed blocks: the paper's, then the shortest at the cap.  On runs over RELAX_OPS ops
     # (not on short ones, where relax() runs: there these shortened no grid plan and cost
     # 0.25 s) each is relisted too, a start tried last (below).  In v-auto's own plans the
@@ -475,7 +476,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     ranked, passed = _estimated(P, shortest) if own else (shortest, [])
     relisted = []
     for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + ranked, relisted=n_ops > RELAX_OPS):
-        cands.append((P.evaluate(order), 50 + len(cands), order, how))
+        cands.append((P.evaluate(order), len(cands), order, how))
         got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
         if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
@@ -490,20 +491,20 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     for order, how in _greedy_candidates(P):
         got = P.evaluate(order)
         if got is not None:
-            cands.append((got, 100 + len(cands), order, how))
+            cands.append((got, len(cands), order, how))
     refits = []
     if n_ops <= REFIT_OPS:  # short runs, where the planning time allows it
         for score, order, how in _refit_candidates(P):
-            refits.append((score, 200 + len(refits), order, how))
+            refits.append((score, len(refits), order, how))
     if name == "v-auto" and n_ops <= RELAX_OPS and len(set(P.size)) > 1 and P.cap < cap_of(pp, m, 1.0, table) - EPS:
         # Below V-ZB's cap, where the sizes decide what fits: another basin again.
         got = _unit_size_start(P, budget, int(UNIT_SIZE_MOVES * min(1.0, RELAX_FULL_OPS / n_ops) ** 2))
         if got is not None:
-            refits.append((got[0], 300, got[1], got[2]))
+            refits.append((got[0], len(refits), got[1], got[2]))
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    return _Starts(cands, refits, relisted, by_period, by_length)
+    return _Starts(cands, refits, relisted, by_period, by_length, includes_named)
 
 
 @dataclass
