@@ -20,6 +20,9 @@ TESTS019 := tests/unit/test_compat.py tests/unit/test_wgrad.py \
 # Two workers, each taking whole files (a module's fixtures built once): the CI machine's two cores.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+# The two pytest runs, as `test` and the per-release targets start them.
+SUITE016 := $(VENV)/bin/python -m pytest -q $(PARALLEL) tests
+SUBSET019 := $(VENV019)/bin/python -m pytest -q $(TESTS019)
 
 $(STAMP): requirements-cpu.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -52,14 +55,14 @@ demo: $(STAMP)
 # suite by under a minute.  Its report is printed after the suite's; either failing fails the target.
 test: $(STAMP) $(STAMP019)
 	@log=$$(mktemp); echo "The megatron-core 0.19 subset ($(VENV019)) runs beside this suite; its report follows it."; \
-	$(VENV019)/bin/python -m pytest -q -p no:cacheprovider $(TESTS019) > $$log 2>&1 & subset=$$!; \
+	$(SUBSET019) -p no:cacheprovider > $$log 2>&1 & subset=$$!; \
 	trap 'kill $$subset 2>/dev/null; rm -f $$log' EXIT; \
-	$(VENV)/bin/python -m pytest -q $(PARALLEL) tests; suite=$$?; \
+	$(SUITE016); suite=$$?; \
 	wait $$subset; part=$$?; echo; echo "== megatron-core 0.19 subset ($(VENV019)) =="; cat $$log; \
 	[ $$suite -eq 0 ] && [ $$part -eq 0 ]
 
 test-mcore016: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PARALLEL) tests
+	$(SUITE016)
 
 test-mcore019: $(STAMP019)
-	$(VENV019)/bin/python -m pytest -q $(PARALLEL) $(TESTS019)
+	$(SUBSET019) $(PARALLEL)
