@@ -449,6 +449,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     constructions, the squeezed blocks, the greedy rules."""
     pp, m, table, n_ops = P.pp, P.m, P.table, 6 * P.pp * P.m
     cands: List[Tuple[Tuple[float, float], int, List[List[int]], str]] = []
+    includes_named = False
     if below is not None and n_ops <= NAMED_BELOW_OPS:
         # The V-shape named for the largest budget <= this one fits too: v-auto is never slower
         # than it, and never slower as the budget passes V-Min's, V-Half's and V-ZB's.
@@ -456,9 +457,9 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
             order, how = _plan(below[0], pp, m, costs, table, below[1])
             cands.append((P.evaluate([list(o) for o in order]), len(cands), [list(o) for o in order],
                           f"{below[0]}'s plan: {how}"))
+            includes_named = True
         except (ConfigError, Stuck):
             pass  # too few microbatches for that budget's cap: nothing to include
-    includes_named = bool(cands)
     for s in _legacy(name, pp, m, costs, P.cap):
         order = P.encode(s.ranks)
         got = P.evaluate(order)
