@@ -20,7 +20,7 @@ TESTS019 := tests/unit/test_compat.py tests/unit/test_wgrad.py \
 # Two workers, each taking whole files (a module's fixtures built once): the CI machine's two cores.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
-# The two pytest runs, as `test` and the per-release targets start them.
+# The two pytest runs of `test`.
 SUITE016 := $(VENV)/bin/python -m pytest -q $(PARALLEL) tests
 SUBSET019 := $(VENV019)/bin/python -m pytest -q $(TESTS019)
 
@@ -49,17 +49,10 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python scripts/quickstart.py
 
-# The whole suite on the pinned megatron-core and, beside it, the runtime subset on the newest release:
-# the suite's two workers leave room (their processes' CPU time is about 72% of two cores over the
-# suite's wall time: ranks wait on each other over gloo), and the subset, 2 min alone, lengthened the
-# suite by under a minute.  Its report is printed after the suite's; either failing fails the target.
-test: $(STAMP) $(STAMP019)
-	@log=$$(mktemp); echo "The megatron-core 0.19 subset ($(VENV019)) runs beside this suite; its report follows it."; \
-	$(SUBSET019) -p no:cacheprovider > $$log 2>&1 & subset=$$!; \
-	trap 'kill $$subset 2>/dev/null; rm -f $$log' EXIT; \
-	$(SUITE016); suite=$$?; \
-	wait $$subset; part=$$?; echo; echo "== megatron-core 0.19 subset ($(VENV019)) =="; cat $$log; \
-	[ $$suite -eq 0 ] && [ $$part -eq 0 ]
+# The whole suite on the pinned megatron-core, then the runtime subset on the newest release.  Run
+# beside the suite, the subset saved about 1.5 min, but one of four fresh-clone runs then failed in
+# gloo's connection set-up (test_tp2_pp4_every_schedule: "Connection closed by peer"): not kept.
+test: test-mcore016 test-mcore019
 
 test-mcore016: $(STAMP)
 	$(SUITE016)
