@@ -24,7 +24,9 @@ API
   parent's timeout (a rank's own collective timeout would race it with another error).
 * A rank that raises, or dies without a result (segfault, ``os._exit``, OOM kill), makes
   ``launch`` kill the others and raise ``LaunchError`` naming that rank, with its traceback
-  or exit code.  ``launch`` never hangs.
+  or exit code (the signal's name when killed by one).  A rank that dies silently usually
+  shows first as a peer's "Connection closed by peer": that error then also names the ranks
+  already dead.  ``launch`` never hangs.
 * ``env``: extra environment variables set in every rank before ``torch.distributed``
   starts.  ``threads``: ``torch.set_num_threads`` per rank (1 keeps N ranks on few cores
   from oversubscribing).
@@ -48,6 +50,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -176,7 +179,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
             except queue_mod.Empty:
                 status = None
             if status == "error":
-                raise LaunchError(f"rank {rank} of {world_size} failed:\n{value}{_other_errors(results, rank)}")
+                raise LaunchError(f"rank {rank} of {world_size} failed:\n{value}{_other_errors(results, rank, procs)}")
             if status == "ready":
                 ready.add(rank)
                 if len(ready) == world_size:
@@ -193,7 +196,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
                 first = dead_since.setdefault(rank, now)
                 if now - first > 2.0:
                     raise LaunchError(f"rank {rank} of {world_size} died without a result "
-                                      f"(exit code {p.exitcode}); see its output above")
+                                      f"({_exit_text(p.exitcode)}); see its output above")
         return [out[r] for r in range(world_size)]
     finally:
         for p in procs:
@@ -205,14 +208,31 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence = (), kwargs:
         del store
 
 
-def _other_errors(results, first: int, grace: float = 1.0) -> str:
-    """Errors other ranks report just after the first one (usually its consequences)."""
-    lines, end = [], time.monotonic() + grace
+def _other_errors(results, first: int, procs, grace: float = 1.0) -> str:
+    """Errors other ranks report just after the first one (usually its consequences), and the
+    ranks already dead without a word: a peer killed by a signal (an abort in a communication
+    library's thread, the OOM killer) shows in the others only as "Connection closed by peer"."""
+    lines, reported, end = [], {first}, time.monotonic() + grace
     while time.monotonic() < end:
         try:
             status, rank, value = results.get(timeout=max(0.0, end - time.monotonic()))
         except queue_mod.Empty:
             break
         if status == "error" and rank != first:
+            reported.add(rank)
             lines.append(f"rank {rank} also failed: {value.strip().splitlines()[-1]}")
+    for rank, p in enumerate(procs):
+        code = p.exitcode
+        if rank in reported or code is None or code == 0:
+            continue
+        lines.append(f"rank {rank} died without reporting an error ({_exit_text(code)})")
     return ("\n" + "\n".join(lines)) if lines else ""
+
+
+def _exit_text(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
