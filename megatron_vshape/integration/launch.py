@@ -46,6 +46,7 @@ megatron-core's model-parallel groups and its tensor-parallel RNG tracker (CPU-s
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -94,6 +95,9 @@ def _context():
 
 def _rank_main(fn, rank, world_size, port, backend, args, kwargs, parent_env, env, threads, pg_timeout,
                startup_timeout, results):
+    # A fatal signal (an abort in a library's thread, a segfault) prints every thread's Python stack
+    # to this rank's stderr: the parent only sees the exit code.
+    faulthandler.enable(all_threads=True)
     try:
         # The server forked from holds the environment it started with: take the parent's as it is now.
         os.environ.clear()
