@@ -14,7 +14,8 @@ to 2p.  It is too large to run whole (the official scheduler takes seconds to mi
 point), so --sample N draws N points uniformly from it with --seed; --pp/--factors restrict it.
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
-                                        [--pp 4,5,...] [--max-m 64] [--points 10:23:18,...] [--csv out/vs_official.csv]
+                                        [--pp 4,5,...] [--min-m 33] [--max-m 64] [--points 10:23:18,...]
+                                        [--csv out/vs_official.csv]
 """
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def replay(official, pp: int, m: int, stage_costs: Costs, cap: int) -> Schedule:
     return Schedule("official v_auto", Placement("v", pp, 2), m, stage_costs, ranks, {})
 
 
-def points(pps, max_m, cost_sets):
+def points(pps, max_m, cost_sets, min_m=1):
     for pp in pps:
         low = search.budget_steps(pp, pp, high=2.0)[0][0]
-        for m in range(pp, min(8 * pp, max_m) + 1):
+        for m in range(max(pp, min_m), min(8 * pp, max_m) + 1):
             for costs in cost_sets:
                 for cap in range(low, 2 * pp + 1):
                     yield pp, m, costs, cap
@@ -93,11 +94,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-m", type=int, default=128, help="largest microbatch count drawn (the grid goes to 8p)")
     ap.add_argument("--costs", default=";".join(COST_SETS))
     ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly from the grid (0: all)")
+    ap.add_argument("--min-m", type=int, default=1, help="smallest microbatch count drawn (the grid starts at p)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
-    grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c]))
+    grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c],
+                       args.min_m))
     if args.points:
         try:
             wanted = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")}
