@@ -1,24 +1,19 @@
 """scripts/bench/optimality.py: the planner against the proven optimum on small instances (at
 pp=2 the V's one budget, so the run is short), a CSV row per instance and a summary."""
 import csv
-import importlib.util
-import os
 
 import pytest
+from bench_scripts import load_bench
 
 pytest.importorskip("ortools.sat.python.cp_model", reason="OR-Tools is not installed: pip install '.[optimal]'")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Each solve stops at this much of CP-SAT's deterministic time on one worker, so "optimal" is the
 # same answer on a fast and a loaded machine; --time-limit only guards the wall clock.
 LIMITS = ["--time-limit", "600", "--work-limit", "2"]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("optimality", os.path.join(ROOT, "scripts", "bench", "optimality.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("optimality")
 
 
 def test_budgets_step_one_stage_activation_from_v_min():

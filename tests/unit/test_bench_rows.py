@@ -1,22 +1,16 @@
 """scripts/bench/cpu_pipeline.py and megatron_vshape/testing/timed_steps.py: a row's figures come
 from one step, and a row whose makespan exceeds its step time is refused (it would mean two clocks
 were mixed); the simulator's prediction is fed with that step's measured per-stage costs."""
-import importlib.util
-import os
-
 import pytest
+from bench_scripts import load_bench
 
 from megatron_vshape.testing import timed_steps
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("cpu_pipeline", os.path.join(ROOT, "scripts", "bench", "cpu_pipeline.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("cpu_pipeline")
 
 
 def test_the_row_uses_the_median_step():

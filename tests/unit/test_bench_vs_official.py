@@ -1,18 +1,12 @@
 """scripts/bench/vs_official.py's grid (the comparison itself needs the paper's released scheduler,
 which this repository does not ship): pp 4..16, m p..8p, every cap from V-Min's to 2p."""
-import importlib.util
-import os
+from bench_scripts import load_bench
 
 from megatron_vshape.planner import search
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("vs_official", os.path.join(ROOT, "scripts", "bench", "vs_official.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("vs_official")
 
 
 def test_the_grid_spans_every_microbatch_count_and_cap_from_v_mins():

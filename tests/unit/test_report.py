@@ -2,22 +2,18 @@
 as FAILED, never dropped; speed-ups compare runs of the same sizes; the planner's prediction is the
 simulator under the run's measured costs."""
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import Costs
 from megatron_vshape.schedule.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vshape_report", ROOT / "scripts" / "bench" / "report.py")
-report = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = report  # dataclasses look their module up
-_spec.loader.exec_module(report)
+report = load_bench("report", "vshape_report")
 
 COSTS = {"F": 1.0, "B": 1.1, "W": 0.8, "C": 0.05}
 
