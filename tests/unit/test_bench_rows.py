@@ -7,7 +7,6 @@ from bench_scripts import load_bench
 from megatron_vshape.testing import timed_steps
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     return load_bench("cpu_pipeline")

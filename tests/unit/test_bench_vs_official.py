@@ -4,13 +4,10 @@ from bench_scripts import load_bench
 
 from megatron_vshape.planner import search
 
-
-def _bench():
-    return load_bench("vs_official")
+bench = load_bench("vs_official")
 
 
 def test_the_grid_spans_every_microbatch_count_and_cap_from_v_mins():
-    bench = _bench()
     grid = list(bench.points(range(4, 17), 128, bench.COST_SETS))
     for pp in range(4, 17):
         low = search.budget_steps(pp, pp, high=2.0)[0][0]
@@ -21,7 +18,6 @@ def test_the_grid_spans_every_microbatch_count_and_cap_from_v_mins():
 
 
 def test_min_m_and_max_m_cut_the_grid_and_keep_its_order():
-    bench = _bench()
     whole = list(bench.points(range(4, 17), 128, bench.COST_SETS))
     band = list(bench.points(range(4, 17), 64, bench.COST_SETS, min_m=33))
     assert band == [p for p in whole if 33 <= p[1] <= 64]
