@@ -13,9 +13,12 @@ candidates and keeps the shortest under the simulator's rules:
     Which op is most urgent is a priority rule; a fixed family of rules is tried;
   * blocks repeated and squeezed on unit slots (slots.py, `_squeezed_candidates`): the
     paper's V-Min and V-Half blocks and the uniform-offset family (the shortest blocks; in
-    v-auto's long runs those of the best estimated plan instead, `_estimated`, and those of
-    the shortest steady period under the real costs too), warm-up and cool-down moved to
-    their earliest free slots under the cap;
+    v-auto's long runs those of the best estimated plan instead, `_estimated`), warm-up and
+    cool-down moved to their earliest free slots under the cap;
+  * in v-auto's long runs, the blocks at the cap repeated, squeezed and reordered as the
+    paper's released scheduler does (reorder.py: its warm-up and cool-down shapes, then every
+    empty slot filled by the first later op that may move there), the best estimated first,
+    within REORDER_OPS; the shortest is a late start (below, `_reordered_candidates`);
   * with few microbatches (m <= p, short runs), the squeezed and greedy candidates built
     for one stage-activation more, repaired under the cap (`refit`);
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
@@ -42,9 +45,10 @@ candidates and keeps the shortest under the simulator's rules:
   * last, the cool-down list-scheduled anew (`relist`): each rank keeps its order up to its
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
-    kept if shorter than the plan so far; in v-auto then the best of the shortest-period
-    blocks likewise), then on the plan, then on that with rules that wait for the op they
-    prefer instead of starting another just before it is ready (`hold`);
+    kept if shorter than the plan so far; in v-auto then the best of the shortest blocks its
+    estimate passed over, and the best reordered block, likewise and justified), then on the
+    plan, then on that with rules that wait for the op they prefer instead of starting
+    another just before it is ready (`hold`);
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
     moves above may leave two ops of a kind out of order, which changes the order gradients
     are added in; relabelled, the plan is no longer and holds the same memory.
@@ -60,8 +64,8 @@ Results are cached per problem in-process.
 `_plan` runs them as six named steps: `_starts` (the candidates), `_moves` (which moves run
 with how much work, from the run's size and where the cap lies), `_improve_starts`,
 `_search_on`, `_late_starts` and `_relisted_end`.  The moves live beside this module: problem.py (the problem on integer op ids and its simulator), listing.py
-(`greedy`, `relist`), local.py (`improve`, `relax`, `delay_search`, `refit`), justify.py
-and slots.py.
+(`greedy`, `relist`), local.py (`improve`, `relax`, `delay_search`, `refit`), justify.py,
+slots.py and reorder.py.
 
 The cap: `memory_budget` X is peak_vs_1f1b's unit (1F1B's rank 0 with plain stages is 1),
 so a rank of the V may hold X * 2 * min(p, m) stage-activations, each weighted by its
@@ -81,7 +85,7 @@ from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule, StageCost, check_sizes, stage_table
 from ..schedule.simulate import one_f_one_b_peak
 from ..schedule.verify import verify
-from . import justify, slots
+from . import justify, reorder, slots
 from .listing import HOLD_RULES, RELIST_RULES, RULES, Listed, greedy, relist
 from .local import delay_search, improve, refit, relax
 from .problem import Problem
@@ -204,8 +208,7 @@ def _greedy_candidates(P: Problem) -> List[Tuple[List[List[int]], str]]:
 BLOCK_OPS = 16_000  # ops squeezed for the uniform-offset blocks of one problem: bounds CPU time
 STRETCHED = 4  # squeezed candidates carried to full length
 RANK_RELIST_WORK = 40_000  # greedy ops for ranking squeezed candidates by their relisted cool-down
-PERIOD_OPS = BLOCK_OPS // 2  # the same for the blocks of the shortest real-cost periods (a last start)
-PERIOD_STRETCHED = 2
+LATE_STRETCHED = 2  # squeezed candidates carried for the late start of the blocks the estimate passed over
 WHOLE_OPS = 3000  # runs of up to this many ops are squeezed at full length
 
 
@@ -222,36 +225,24 @@ def _steady_peaks(pp: int, sizes: Tuple[float, ...]) -> Tuple[float, ...]:
     return tuple(slots.steady_peak(view, b) for b in _uniform_blocks(pp))
 
 
-def _top_blocks(P: Problem, by_period: bool) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]]]:
+def _top_blocks(P: Problem) -> List[Tuple[str, slots.Block]]:
     """The uniform-offset blocks that use the most memory the cap allows (the steady state's
-    bubble falls as blocks hold more), shortest first, within BLOCK_OPS squeezed ops; and
-    with `by_period`, those with the shortest steady period under the real costs
-    (slots.steady_period, on as many microbatches as squeezing them takes; ties shortest
-    first) that the first list leaves out, within PERIOD_OPS."""
-    fitting = _fitting_blocks(P)
-
-    def within(ranked, work):
-        out = []
-        for _, block in ranked:
-            work -= 6 * P.S * min(P.m, slots.small_m(block))
-            if work < 0:
-                break
-            out.append((f"uniform block {block[0]}/{block[1]}", block))
-        return out
-    shortest = within(fitting, BLOCK_OPS)
-    if not by_period or not fitting:
-        return shortest, []
-    period = _steady_periods(P)
-    taken = {b for _, b in shortest}
-    rest = sorted((period[b], n, b) for n, b in fitting if b not in taken)
-    return shortest, [(f"{name} (period {period[b]:g})", b) for name, b in within([(n, b) for _, n, b in rest], PERIOD_OPS)]
+    bubble falls as blocks hold more), shortest first, within BLOCK_OPS squeezed ops."""
+    out, work = [], BLOCK_OPS
+    for _, block in _fitting_blocks(P):
+        work -= 6 * P.S * min(P.m, slots.small_m(block))
+        if work < 0:
+            break
+        out.append((f"uniform block {block[0]}/{block[1]}", block))
+    return out
 
 
-def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]]]:
+def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple[List[Tuple[str, slots.Block]], List[Tuple[str, slots.Block]], List[slots.Block]]:
     """v-auto's long runs: the uniform-offset blocks at the cap to squeeze instead of
     `shortest` (_top_blocks' name-order list), chosen by a cheap estimate of their real-cost
     plan, within the ops that squeezing `shortest` would take; and the blocks of `shortest`
-    it passed over (a late start: the estimate misjudges some).
+    it passed over (a late start: the estimate misjudges some); and the blocks it estimated,
+    best first.
 
     The estimate of a block: squeezed once on min(m, p) microbatches (a whole warm-up and
     cool-down, where blocks of one steady peak differ most; steady mode, both passes) plus
@@ -264,7 +255,7 @@ def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple
     block of the best estimate to 149.3 (the best of all 50)."""
     fitting = _fitting_blocks(P)
     if not fitting:
-        return [], []
+        return [], [], []
     Q = P if P.m <= P.pp else Problem(P.pp, P.pp, P.costs, P.table, P.cap)
     period = _steady_periods(P)
     squeeze = {b: _squeezed_ops(P, b) for _, b in fitting}
@@ -276,16 +267,16 @@ def _estimated(P: Problem, shortest: Sequence[Tuple[str, slots.Block]]) -> Tuple
         got = [Q.evaluate(slots.orders(Q, at)) for at, _, _ in slots.squeeze_block(Q, block, ("steady",))]
         got = [score[0] for score in got if score is not None]
         guess[block] = min(got) + (P.m - Q.m) * period[block] if got else math.inf
-    chosen = []
-    for block in sorted(guess, key=guess.get):
+    chosen, ranked = [], sorted(guess, key=guess.get)
+    for block in ranked:
         if guess[block] == math.inf or work < squeeze[block]:
             break
         work -= squeeze[block]
         chosen.append((f"uniform block {block[0]}/{block[1]} (period {period[block]:g}) (estimate {guess[block]:.5g})", block))
-    return chosen, [x for x in shortest if x[1] not in {b for _, b in chosen}]
+    return chosen, [x for x in shortest if x[1] not in {b for _, b in chosen}], ranked
 
 
-@lru_cache(maxsize=2)  # _top_blocks and _estimated of one problem ask for the same ones
+@lru_cache(maxsize=2)  # _estimated and _reordered_candidates of one problem ask for the same ones
 def _steady_periods(P: Problem) -> Dict[slots.Block, float]:
     """slots.steady_period of every block at the cap, on as many microbatches as squeezing
     them takes (at most m)."""
@@ -326,7 +317,7 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
     only (cheap), as many as RANK_RELIST_WORK allows: the squeeze's own cool-down ranks them
     badly, and the block that relists shortest is often not among the best few squeezed."""
     if blocks is None:
-        blocks = _paper_blocks(P.pp) + _top_blocks(P, False)[0]
+        blocks = _paper_blocks(P.pp) + _top_blocks(P)
     if not blocks:
         return []
     m_q = min(P.m, max(slots.small_m(b) for _, b in blocks))
@@ -365,6 +356,32 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
                 out.append((order, how))
                 break
     return out
+
+
+REORDER_OPS = 50_000  # ops of the runs reorder.framework() builds for one problem: bounds CPU time
+
+
+def _reordered_candidates(P: Problem, first: Sequence[slots.Block], carried: int = 1) -> List[Tuple[List[List[int]], str]]:
+    """The blocks at the cap repeated, squeezed and reordered as the paper does (reorder.py),
+    `first` first (v-auto's estimate), then the rest by steady period, within REORDER_OPS;
+    the best `carried` of them.  Stages of equal size only (the paper's counts)."""
+    if len(set(P.size)) > 1:
+        return []
+    period = _steady_periods(P)
+    taken = set(first)
+    rest = sorted((period[b], n, b) for n, b in _fitting_blocks(P) if b not in taken)
+    work, found = REORDER_OPS, []
+    for block in list(first) + [b for _, _, b in rest]:
+        short = max(2 * P.pp, slots.small_m(block)) + 4  # a steady stretch to repeat (reorder._periodic_cut)
+        work -= 6 * P.pp * min(max(P.m, 2 * P.pp), short)  # the ops of the run it is built on
+        if work < 0:
+            break
+        order = reorder.framework(block, P.m, int(P.cap / P.size[0] + EPS), short)
+        score = None if order is None else P.evaluate(order)
+        if score is not None and P.fits(order):
+            found.append((score, len(found), order, f"uniform block {block[0]}/{block[1]} reordered as the paper's"))
+    found.sort(key=lambda x: (x[0][:2], x[1]))
+    return [(order, how) for _, _, order, how in found[:carried]]
 
 
 REFIT_OPS = 400  # runs of up to this many ops get refit candidates (planning time)
@@ -431,16 +448,17 @@ def _named_below(name: str, pp: int, m: int, budget: float) -> Optional[Tuple[st
 class _Starts:
     """The candidate orders of one problem, each (score, tie-break, order, how), the
     tie-break being the order the starts were made in: `cands` ranked, `refits` (other
-    basins: improved besides the best few), and the late starts `relisted`, `by_period` and
-    `by_length` (v-auto's shortest blocks its estimate passed over), tried after everything
-    else.  `includes_named`: v-auto's candidates include the named plan below its budget,
-    whose own search spent a share of the work."""
+    basins: improved besides the best few), and the late starts `relisted`, `by_length`
+    (v-auto's shortest blocks its estimate passed over) and `reordered` (v-auto's
+    blocks reordered as the paper's scheduler does), tried after everything else.
+    `includes_named`: v-auto's candidates include the named plan below its budget, whose own
+    search spent a share of the work."""
     cands: list
     refits: list
     relisted: list
-    by_period: list
     by_length: list
     includes_named: bool
+    reordered: list
 
 
 def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[Tuple[str, float]]) -> _Starts:
@@ -468,25 +486,25 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     # Squeezed blocks: the paper's, then the shortest at the cap.  On runs over RELAX_OPS ops
     # (not on short ones, where relax() runs: there these shortened no grid plan and cost
     # 0.25 s) each is relisted too, a start tried last (below).  In v-auto's own plans the
-    # blocks of the shortest real-cost periods, relisted, are one more start, tried after
-    # that one (in the named plans they shortened no grid row: their caps are the ones the
-    # paper's blocks were built for).  There the blocks squeezed are those of the best
-    # estimates (_estimated), within the squeezed ops the shortest would take.
+    # blocks squeezed are those of the best estimates (_estimated), within the squeezed ops
+    # the shortest would take, and the blocks reordered as the paper's scheduler does are a
+    # start tried last (in the named plans their caps are the ones the paper's blocks were
+    # built for).
     own = n_ops > RELAX_OPS and name not in dict(NAMED_BUDGETS)
-    shortest, periodic = _top_blocks(P, by_period=own)
-    ranked, passed = _estimated(P, shortest) if own else (shortest, [])
+    shortest = _top_blocks(P)
+    ranked, passed, estimated = _estimated(P, shortest) if own else (shortest, [], [])
     relisted = []
     for order, how in _squeezed_candidates(P, _paper_blocks(P.pp) + ranked, relisted=n_ops > RELAX_OPS):
         cands.append((P.evaluate(order), len(cands), order, how))
         got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
         if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
-    by_period = []
-    for order, how in _squeezed_candidates(P, periodic, PERIOD_STRETCHED, whole=False, relisted=True):
-        got, better = relist(P, order)
-        by_period.append((got, len(by_period), better, how + ", cool-down relisted"))
-    by_length = []  # the shortest blocks the estimate passed over, squeezed as the periodic ones: tried last
-    for order, how in _squeezed_candidates(P, passed, PERIOD_STRETCHED, whole=False, relisted=True):
+    reordered = []  # the blocks reordered as the paper's scheduler does: a late start
+    if own:
+        for order, how in _reordered_candidates(P, estimated):
+            reordered.append((P.evaluate(order), len(reordered), order, how))
+    by_length = []  # the shortest blocks the estimate passed over, squeezed in the steady mode: tried last
+    for order, how in _squeezed_candidates(P, passed, LATE_STRETCHED, whole=False, relisted=True):
         got, better = relist(P, order)
         by_length.append((got, len(by_length), better, how + ", cool-down relisted"))
     for order, how in _greedy_candidates(P):
@@ -505,7 +523,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    return _Starts(cands, refits, relisted, by_period, by_length, includes_named)
+    return _Starts(cands, refits, relisted, by_length, includes_named, reordered)
 
 
 @dataclass
@@ -657,18 +675,19 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 
 
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
-    """Step 5: the best relisted block, then the best of the shortest periods, then the best
-    of the shortest blocks v-auto's estimate passed over (justified once too), each improved
-    with a quarter of one start's share (planning time), kept if shorter: starts in their own
-    basins, tried after the rest so that they never displace them.  `plain` is the plan
-    before justification: a late start that would have displaced it is relisted too."""
-    for k, late in enumerate((starts.relisted, starts.by_period, starts.by_length)):
+    """Step 5: the best relisted block, then the best of the shortest blocks v-auto's estimate
+    passed over, then the best block reordered as the
+    paper's scheduler does (those two justified once too), each improved with a quarter of one
+    start's share (planning time), kept if shorter: starts in their own basins, tried after
+    the rest so that they never displace them (the plan is never longer for them).  `plain` is
+    the plan before justification: a late start that would have displaced it is relisted too."""
+    for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered)):
         if not late or best.score[0] <= P.bound + EPS:
             continue
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
         order, _ = improve(P, order, moves.improve_work // (RELIST_SHARE * n_starts), seed=n_starts + 1 + k)
         why += f" + improve ({got[0]:g} -> {P.evaluate(order)[0]:g})"
-        if late is starts.by_length:  # the start it stands in for would have been justified
+        if late is starts.by_length or late is starts.reordered:  # justified, as the starts they compete with were
             order, ms = justify.justify_search(P, order, moves.justify_tries, seed=n_starts, rounds=1)
             why += f" + justified ({ms:g})"
         got = P.evaluate(order)
