@@ -74,34 +74,36 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     one slot before, a pass on its own rank's input only after it); None on deadlock.  Taken
     slot by slot (the passes that go up the V rank by rank up, the others down), which meets
     every input first when the grid is itself a legal one; else rank by rank as inputs allow."""
-    p = len(grid)
+    p, lanes = len(grid), 2 * len(grid)
     inputs = _inputs(p)
     keys = []  # slot, then the sweep: up the V for F0, B1, W1, down for the others
     for r, row in enumerate(grid):
-        up, down = r, 2 * p - 1 - r
+        up, down = r, lanes - 1 - r
         for t, kind in enumerate(row):
             if kind != EMPTY:
-                keys.append(((t * 2 * p + (down if kind in (F1, B0, W0) else up)) << 3) | kind)
+                keys.append(((t * lanes + (down if kind in (F1, B0, W0) else up)) << 3) | kind)
     keys.sort()
     done = [[[] for _ in range(6)] for _ in range(p)]  # slot of each pass's microbatches so far
-    out: Grid = [[] for _ in range(p)]
+    free = [0] * p
     for key in keys:
-        kind, lane = key & 7, (key >> 3) % (2 * p)
-        r = lane if lane < p else 2 * p - 1 - lane
-        row, mine, src = out[r], done[r][kind], inputs[r][kind]
-        at = len(row)
+        kind, lane = key & 7, (key >> 3) % lanes
+        r = lane if lane < p else lanes - 1 - lane
+        mine, src, at = done[r][kind], inputs[r][kind], free[r]
         if src is not None:
             got = done[src[0]][src[1]]
-            if len(got) <= len(mine):
+            n = len(mine)
+            if len(got) <= n:
                 return _squeeze_any(grid)
-            if src[0] != r and got[len(mine)] >= at:
-                at = got[len(mine)] + 1
-        if at > len(row):
-            row.extend([EMPTY] * (at - len(row)))
-        row.append(kind)
+            if src[0] != r and got[n] >= at:
+                at = got[n] + 1
         mine.append(at)
-    width = max(len(row) for row in out)
-    return [row + [EMPTY] * (width - len(row)) for row in out]
+        free[r] = at + 1
+    out = [[EMPTY] * max(free) for _ in range(p)]
+    for row, passes in zip(out, done):
+        for kind, at in enumerate(passes):
+            for t in at:
+                row[t] = kind
+    return out
 
 
 def _squeeze_any(grid: Grid) -> Optional[Grid]:
