@@ -8,8 +8,9 @@ the rest of the peak with first-chunk F's, then alternates B, W, F; the cool-dow
 (peak+1)/2 first-chunk B's and min(i+1, the rest) second-chunk B's on alternate slots, as
 tight as their dependencies allow, with the W's after them.  Then each empty slot, left to
 right, takes the first later op of its rank that may move there (its input done, the peak not
-raised).  At pp=10, m=23, costs 2,2.2,1.6,0.05, cap 18 that makes the best of the blocks at
-the cap 148.15 where slots.py's squeeze gives 151.0 (and the search had 148.4 in all).
+raised).  This is what the paper's released scheduler (v_auto_schedule) runs on each block.
+At pp=10, m=23, costs 2,2.2,1.6,0.05, cap 18 the best of the blocks at the cap gives 148.15
+(the released scheduler's plan there) where slots.py's squeeze of the same block gives 151.0.
 
 Work is on a grid of unit slots per rank holding passes (below); a pass's microbatch is its
 count among the same passes of its rank, as the phases keep each pass in microbatch order.
@@ -31,8 +32,8 @@ def _pass_slots(block: slots.Block, r: int) -> List[int]:
     """Rank r's slots (absolute, microbatch 0) of its six passes in the block."""
     f0, f1, b1, b0 = block[r]
     taken = {x % slots.PERIOD for x in (f0, f1, b1, b0)}
-    w1 = slots._w_after(b1, taken)
-    return [f0, f1, b1, b0, w1, slots._w_after(b0, taken)]
+    w1 = slots.w_after(b1, taken)
+    return [f0, f1, b1, b0, w1, slots.w_after(b0, taken)]
 
 
 def repeated(block: slots.Block, m: int) -> Optional[Grid]:

@@ -80,7 +80,7 @@ def steady_peak(P, block: Block) -> float:
     top = 0.0
     for r, (f0, f1, b1, b0) in enumerate(block):
         taken = {x % PERIOD for x in (f0, f1, b1, b0)}
-        (q1, e1), (q0, e0) = divmod(_w_after(b1, taken) - f1 + 1, PERIOD), divmod(_w_after(b0, taken) - f0 + 1, PERIOD)
+        (q1, e1), (q0, e0) = divmod(w_after(b1, taken) - f1 + 1, PERIOD), divmod(w_after(b0, taken) - f0 + 1, PERIOD)
         z1, z0 = P.size[P.S - 1 - r], P.size[r]
         for u in range(PERIOD):
             top = max(top, z1 * (q1 + ((u - f1) % PERIOD < e1)) + z0 * (q0 + ((u - f0) % PERIOD < e0)))
@@ -103,7 +103,9 @@ def steady_period(P, block: Block) -> float:
     return (end[3 * k2 * P.S + 1] - end[3 * k1 * P.S + 1]) / (k2 - k1)
 
 
-def _w_after(b: int, taken: set) -> int:
+def w_after(b: int, taken: set) -> int:
+    """The slot of the W of a B at slot b: the first after it whose residue is not `taken`
+    (which it then takes)."""
     w = next(b + k for k in range(1, PERIOD + 1) if (b + k) % PERIOD not in taken)
     taken.add(w % PERIOD)
     return w
@@ -118,8 +120,8 @@ def repeat(P, block: Block, check: bool = True) -> Optional[List[int]]:
         taken = {x % PERIOD for x in (f0, f1, b1, b0)}
         if len(taken) != 4:
             return None
-        w1 = _w_after(b1, taken)
-        w0 = _w_after(b0, taken)
+        w1 = w_after(b1, taken)
+        w0 = w_after(b0, taken)
         s0, s1 = r, S - 1 - r
         for k in range(m):
             d = PERIOD * k
