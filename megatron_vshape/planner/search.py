@@ -361,10 +361,11 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
 REORDER_OPS = 50_000  # ops of the runs reorder.framework() builds for one problem: bounds CPU time
 
 
-def _reordered_candidates(P: Problem, first: Sequence[slots.Block], carried: int = 1) -> List[Tuple[List[List[int]], str]]:
-    """The blocks at the cap repeated, squeezed and reordered as the paper does (reorder.py),
-    `first` first (v-auto's estimate), then the rest by steady period, within REORDER_OPS;
-    the best `carried` of them.  Stages of equal size only (the paper's counts)."""
+def _reordered_candidates(P: Problem, first: Sequence[slots.Block]) -> List[Tuple[List[List[int]], str]]:
+    """The blocks at the cap repeated, squeezed and reordered as the paper's released scheduler
+    does (reorder.py), `first` first (v-auto's estimate), then the rest by steady period,
+    within REORDER_OPS: the shortest of them (none if none fits).  Stages of equal size only
+    (the shapes' counts are in activations)."""
     if len(set(P.size)) > 1:
         return []
     period = _steady_periods(P)
@@ -381,7 +382,7 @@ def _reordered_candidates(P: Problem, first: Sequence[slots.Block], carried: int
         if score is not None and P.fits(order):
             found.append((score, len(found), order, f"uniform block {block[0]}/{block[1]} reordered as the paper's"))
     found.sort(key=lambda x: (x[0][:2], x[1]))
-    return [(order, how) for _, _, order, how in found[:carried]]
+    return [(order, how) for _, _, order, how in found[:1]]
 
 
 REFIT_OPS = 400  # runs of up to this many ops get refit candidates (planning time)
