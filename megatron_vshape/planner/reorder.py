@@ -28,19 +28,11 @@ EMPTY = -1
 Grid = List[List[int]]
 
 
-def _pass_slots(block: slots.Block, r: int) -> List[int]:
-    """Rank r's slots (absolute, microbatch 0) of its six passes in the block."""
-    f0, f1, b1, b0 = block[r]
-    taken = {x % slots.PERIOD for x in (f0, f1, b1, b0)}
-    w1 = slots.w_after(b1, taken)
-    return [f0, f1, b1, b0, w1, slots.w_after(b0, taken)]
-
-
 def repeated(block: slots.Block, m: int) -> Optional[Grid]:
     """The block repeated m times (copy k PERIOD*k slots later), or None if two passes meet."""
     rows = []
-    for r in range(len(block)):
-        at = _pass_slots(block, r)
+    for passes in block:
+        at = [*passes, *slots.w_slots(passes)]  # microbatch 0's slots, by pass
         row = [EMPTY] * (max(at) + slots.PERIOD * m + 1)
         for k in range(m):
             for kind, t in enumerate(at):
@@ -99,12 +91,23 @@ def squeeze(grid: Grid) -> Optional[Grid]:
                 at = got[n] + 1
         mine.append(at)
         free[r] = at + 1
-    out = [[EMPTY] * max(free) for _ in range(p)]
+    return _rows(done, max(free))
+
+
+def _rows(done: List[List[List[int]]], width: int) -> Grid:
+    """The grid `width` slots wide whose rank r holds pass k at the slots done[r][k]."""
+    out = [[EMPTY] * width for _ in done]
     for row, passes in zip(out, done):
         for kind, at in enumerate(passes):
             for t in at:
                 row[t] = kind
     return out
+
+
+def _padded(rows: Grid) -> Grid:
+    """Rows of different lengths made as long as the longest, with empty slots."""
+    width = max(len(row) for row in rows)
+    return [row + [EMPTY] * (width - len(row)) for row in rows]
 
 
 def _squeeze_any(grid: Grid) -> Optional[Grid]:
@@ -113,30 +116,26 @@ def _squeeze_any(grid: Grid) -> Optional[Grid]:
     inputs = _inputs(p)
     order = [[k for k in row if k != EMPTY] for row in grid]
     done = [[[] for _ in range(6)] for _ in range(p)]
-    pos = [0] * p
-    out: Grid = [[] for _ in range(p)]
+    pos, free = [0] * p, [0] * p
     left = sum(len(o) for o in order)
     while left:
         moved = False
         for r in range(p):
-            row = out[r]
             while pos[r] < len(order[r]):
                 kind = order[r][pos[r]]
-                mine, src, at = done[r][kind], inputs[r][kind], len(row)
+                mine, src, at = done[r][kind], inputs[r][kind], free[r]
                 if src is not None:
                     got = done[src[0]][src[1]]
                     if len(got) <= len(mine):
                         break
                     if src[0] != r:
                         at = max(at, got[len(mine)] + 1)
-                row.extend([EMPTY] * (at - len(row)))
-                row.append(kind)
                 mine.append(at)
+                free[r] = at + 1
                 pos[r], left, moved = pos[r] + 1, left - 1, True
         if not moved:
             return None
-    width = max(len(row) for row in out)
-    return [row + [EMPTY] * (width - len(row)) for row in out]
+    return _rows(done, max(free))
 
 
 LIVE = (1, 1, 0, 0, -1, -1, 0)  # live activations a pass adds, by pass (EMPTY last)
@@ -207,8 +206,7 @@ def warm_up(grid: Grid, m: int) -> Optional[Grid]:
             if not (place(B1, count[B1]) and place(W1, count[W1]) and place(third, count[third])):
                 return None
         out.append(new)
-    width = max(len(row) for row in out)
-    return [row + [EMPTY] * (width - len(row)) for row in out]
+    return _padded(out)
 
 
 def drop_extra(grid: Grid, m: int) -> Grid:
@@ -239,8 +237,7 @@ def release_ws(grid: Grid, peak: int) -> Grid:
                 moved.append(kind)
                 row[t] = EMPTY
         out.append(row + moved)
-    width = max(len(row) for row in out)
-    return [row + [EMPTY] * (width - len(row)) for row in out]
+    return _padded(out)
 
 
 def cool_down(grid: Grid, m: int) -> Optional[Grid]:
@@ -416,17 +413,17 @@ def _grid(block: slots.Block, m: int, cap: int) -> Optional[Grid]:
     grid = squeeze(grid)
     grid = grid and warm_up(grid, big)
     grid = grid and squeeze(grid)
-    if grid is None or max(peaks(grid)) > start:
+    peak = None if grid is None else max(peaks(grid))
+    if peak is None or peak > start:
         return None
     if m < big:
-        peak = max(peaks(grid))
         grid = drop_extra(grid, m)
         if m <= p and 2 * m <= cap:
             grid = release_ws(grid, min(2 * p, peak))
         grid = squeeze(grid)
-        if grid is None or max(peaks(grid)) > cap:
+        start = None if grid is None else max(peaks(grid))
+        if start is None or start > cap:
             return None
-        start = max(peaks(grid))
     grid = cool_down(grid, m)
     if grid is None:
         return None

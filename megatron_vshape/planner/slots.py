@@ -79,8 +79,8 @@ def steady_peak(P, block: Block) -> float:
     stage living L slots from slot f holds L // 6 copies, one more where (u - f) % 6 < L % 6."""
     top = 0.0
     for r, (f0, f1, b1, b0) in enumerate(block):
-        taken = {x % PERIOD for x in (f0, f1, b1, b0)}
-        (q1, e1), (q0, e0) = divmod(w_after(b1, taken) - f1 + 1, PERIOD), divmod(w_after(b0, taken) - f0 + 1, PERIOD)
+        w1, w0 = w_slots(block[r])
+        (q1, e1), (q0, e0) = divmod(w1 - f1 + 1, PERIOD), divmod(w0 - f0 + 1, PERIOD)
         z1, z0 = P.size[P.S - 1 - r], P.size[r]
         for u in range(PERIOD):
             top = max(top, z1 * (q1 + ((u - f1) % PERIOD < e1)) + z0 * (q0 + ((u - f0) % PERIOD < e0)))
@@ -103,12 +103,18 @@ def steady_period(P, block: Block) -> float:
     return (end[3 * k2 * P.S + 1] - end[3 * k1 * P.S + 1]) / (k2 - k1)
 
 
-def w_after(b: int, taken: set) -> int:
-    """The slot of the W of a B at slot b: the first after it whose residue is not `taken`
-    (which it then takes)."""
+def _w_after(b: int, taken: set) -> int:
     w = next(b + k for k in range(1, PERIOD + 1) if (b + k) % PERIOD not in taken)
     taken.add(w % PERIOD)
     return w
+
+
+def w_slots(row: Tuple[int, int, int, int]) -> Tuple[int, int]:
+    """The slots of a block row's chunk-1 and chunk-0 W's: each the first slot after its B
+    whose residue no pass of the row has taken (chunk 1's first)."""
+    _, _, b1, b0 = row
+    taken = {x % PERIOD for x in row}
+    return _w_after(b1, taken), _w_after(b0, taken)
 
 
 def repeat(P, block: Block, check: bool = True) -> Optional[List[int]]:
@@ -117,11 +123,9 @@ def repeat(P, block: Block, check: bool = True) -> Optional[List[int]]:
     S, m = P.S, P.m
     at = [0] * (3 * m * S)
     for r, (f0, f1, b1, b0) in enumerate(block):
-        taken = {x % PERIOD for x in (f0, f1, b1, b0)}
-        if len(taken) != 4:
+        if len({x % PERIOD for x in (f0, f1, b1, b0)}) != 4:
             return None
-        w1 = w_after(b1, taken)
-        w0 = w_after(b0, taken)
+        w1, w0 = w_slots((f0, f1, b1, b0))
         s0, s1 = r, S - 1 - r
         for k in range(m):
             d = PERIOD * k
