@@ -361,11 +361,11 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
 REORDER_OPS = 50_000  # ops of the runs reorder.framework() builds for one problem: bounds CPU time
 
 
-def _reordered_candidates(P: Problem, first: Sequence[slots.Block]) -> List[Tuple[List[List[int]], str]]:
+def _reordered_candidates(P: Problem, first: Sequence[slots.Block]) -> List[Tuple[Tuple[float, float, float], List[List[int]], str]]:
     """The blocks at the cap repeated, squeezed and reordered as the paper's released scheduler
     does (reorder.py), `first` first (v-auto's estimate), then the rest by steady period,
-    within REORDER_OPS: the shortest of them (none if none fits).  Stages of equal size only
-    (the shapes' counts are in activations)."""
+    within REORDER_OPS: the shortest of them with its score (none if none fits).  Stages of
+    equal size only (the shapes' counts are in activations)."""
     if len(set(P.size)) > 1:
         return []
     period = _steady_periods(P)
@@ -382,7 +382,7 @@ def _reordered_candidates(P: Problem, first: Sequence[slots.Block]) -> List[Tupl
         if score is not None and P.fits(order):
             found.append((score, len(found), order, f"uniform block {block[0]}/{block[1]} reordered as the paper's"))
     found.sort(key=lambda x: (x[0][:2], x[1]))
-    return [(order, how) for _, _, order, how in found[:1]]
+    return [(score, order, how) for score, _, order, how in found[:1]]
 
 
 REFIT_OPS = 400  # runs of up to this many ops get refit candidates (planning time)
@@ -502,8 +502,8 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
     reordered = []  # the blocks reordered as the paper's scheduler does: a late start
     if own:
-        for order, how in _reordered_candidates(P, estimated):
-            reordered.append((P.evaluate(order), len(reordered), order, how))
+        for score, order, how in _reordered_candidates(P, estimated):
+            reordered.append((score, len(reordered), order, how))
     by_length = []  # the shortest blocks the estimate passed over, squeezed in the steady mode: tried last
     for order, how in _squeezed_candidates(P, passed, LATE_STRETCHED, whole=False, relisted=True):
         got, better = relist(P, order)

@@ -591,8 +591,8 @@ def test_v_auto_beats_the_paper_scheduler_where_its_shortest_blocks_leave_a_peri
     # blocks, relisted, a start this one replaced).
     costs = Costs.parse("6,12,8,1").per_stage(2)
     P = problem.Problem(9, 44, costs, stage_table(costs, 18, None), 14)
-    (order, how), = search._reordered_candidates(P, [])
-    assert P.evaluate(order)[0] == pytest.approx(1283)
+    (score, order, how), = search._reordered_candidates(P, [])
+    assert P.evaluate(order)[0] == score[0] == pytest.approx(1283)
     s = registry.build("v-auto", 9, 44, Costs.parse("6,12,8,1"), memory_budget=14 / 18)
     assert simulate(s).makespan <= 1268
     assert max(simulate(s).peak_vs_1f1b) <= 14 / 18 + 1e-9
