@@ -81,17 +81,25 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     for key in keys:
         kind, lane = key & 7, (key >> 3) % lanes
         r = lane if lane < p else lanes - 1 - lane
-        mine, src, at = done[r][kind], inputs[r][kind], free[r]
-        if src is not None:
-            got = done[src[0]][src[1]]
-            n = len(mine)
-            if len(got) <= n:
-                return _squeeze_any(grid)
-            if src[0] != r and got[n] >= at:
-                at = got[n] + 1
-        mine.append(at)
-        free[r] = at + 1
+        if not _place(done, inputs, free, r, kind):
+            return _squeeze_any(grid)
     return _rows(done, max(free))
+
+
+def _place(done: List[List[List[int]]], inputs, free: List[int], r: int, kind: int) -> bool:
+    """The next `kind` pass of rank r at its earliest slot: after the rank's last pass, and
+    one slot after its input on another rank (on its own rank, after it); False, placing
+    nothing, while that input is not placed yet."""
+    mine, src, at = done[r][kind], inputs[r][kind], free[r]
+    if src is not None:
+        got = done[src[0]][src[1]]
+        if len(got) <= len(mine):
+            return False
+        if src[0] != r:
+            at = max(at, got[len(mine)] + 1)
+    mine.append(at)
+    free[r] = at + 1
+    return True
 
 
 def _rows(done: List[List[List[int]]], width: int) -> Grid:
@@ -122,16 +130,8 @@ def _squeeze_any(grid: Grid) -> Optional[Grid]:
         moved = False
         for r in range(p):
             while pos[r] < len(order[r]):
-                kind = order[r][pos[r]]
-                mine, src, at = done[r][kind], inputs[r][kind], free[r]
-                if src is not None:
-                    got = done[src[0]][src[1]]
-                    if len(got) <= len(mine):
-                        break
-                    if src[0] != r:
-                        at = max(at, got[len(mine)] + 1)
-                mine.append(at)
-                free[r] = at + 1
+                if not _place(done, inputs, free, r, order[r][pos[r]]):
+                    break
                 pos[r], left, moved = pos[r] + 1, left - 1, True
         if not moved:
             return None
