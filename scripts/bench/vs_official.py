@@ -16,6 +16,12 @@ point), so --sample N draws N points uniformly from it with --seed; --pp/--facto
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
                                         [--pp 4,5,...] [--min-m 33] [--max-m 64] [--points 10:23:18,...]
                                         [--csv out/vs_official.csv]
+
+To check a planner change without running the released scheduler again, --against CSV re-plans
+v-auto at every point of an earlier run's CSV and compares with the official figures stored
+there (--official is then not needed):
+
+    python scripts/bench/vs_official.py --against out/vs_official.csv --csv out/after.csv
 """
 from __future__ import annotations
 
@@ -77,19 +83,27 @@ def compare(official, pp, m, costs_text, cap):
     theirs = replay(official, pp, m, user.per_stage(2), cap)
     t_off = time.process_time() - t
     sim = simulate(theirs)
-    peak = max(sim.peak_activations)
+    return ours_at({"pp": pp, "microbatches": m, "costs": costs_text, "cap": cap, "official": round(sim.makespan, 6),
+                    "official_peak": max(sim.peak_activations), "official_s": round(t_off, 2)})
+
+
+def ours_at(row: dict) -> dict:
+    """`row` (a point with the official schedule's makespan and peak) with v-auto planned at
+    that peak (budget = peak / (2p)) beside it."""
+    pp = int(row["pp"])
     t = time.process_time()
     search._plan.cache_clear()
-    ours = simulate(registry.build("v-auto", pp, m, user, memory_budget=peak / (2 * pp)))
-    t_ours = time.process_time() - t
-    return {"pp": pp, "microbatches": m, "costs": costs_text, "cap": cap, "official": round(sim.makespan, 6),
-            "official_peak": peak, "ours": round(ours.makespan, 6), "ours_peak": max(ours.peak_activations),
-            "gap": ours.makespan / sim.makespan - 1, "official_s": round(t_off, 2), "ours_s": round(t_ours, 2)}
+    ours = simulate(registry.build("v-auto", pp, int(row["microbatches"]), Costs.parse(row["costs"]),
+                                   memory_budget=float(row["official_peak"]) / (2 * pp)))
+    official = float(row["official"])
+    return {**row, "ours": round(ours.makespan, 6), "ours_peak": max(ours.peak_activations),
+            "gap": ours.makespan / official - 1, "ours_s": round(time.process_time() - t, 2)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--official", required=True, help="path of the released v_auto_schedule.py")
+    ap.add_argument("--official", help="path of the released v_auto_schedule.py")
+    ap.add_argument("--against", help="an earlier run's CSV: re-plan v-auto at its points, against its official figures")
     ap.add_argument("--pp", default=",".join(str(p) for p in range(4, 17)))
     ap.add_argument("--max-m", type=int, default=128, help="largest microbatch count drawn (the grid goes to 8p)")
     ap.add_argument("--costs", default=";".join(COST_SETS))
@@ -99,6 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
+    if args.against:
+        with open(args.against, newline="") as f:
+            chosen = list(csv.DictReader(f))
+        return report((ours_at(row) for row in chosen), args.csv)
+    if not args.official:
+        ap.error("give --official PATH (the released v_auto_schedule.py) or --against CSV (an earlier run's points)")
     grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c],
                        args.min_m))
     if args.points:
@@ -115,13 +135,17 @@ def main(argv=None) -> int:
     official = load(args.official)
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
+    return report((compare(official, *point) for point in chosen), args.csv)
+
+
+def report(results, path: str) -> int:
+    """Each row written to the CSV at `path` and printed as it comes, then the summary."""
     rows = []
-    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for point in chosen:
-            row = compare(official, *point)
+        for row in results:
             rows.append(row)
             writer.writerow(row)
             f.flush()

@@ -598,6 +598,22 @@ def test_v_auto_beats_the_paper_scheduler_where_its_shortest_blocks_leave_a_peri
     assert max(simulate(s).peak_vs_1f1b) <= 14 / 18 + 1e-9
 
 
+def test_a_step_up_in_budget_keeps_the_reordered_blocks_of_the_cap_below():
+    # pp=8, m=24, 3,2,2,0 (found by budget_steps.py --costs 3,2,2,0): the best block of
+    # steady peak 14, reordered, ends at 179 under cap 14 and the best of peak 15 at 179.5
+    # under cap 15, so cap 15 planned longer than cap 14.  The blocks one peak below are a
+    # late start too: at cap 15 their best fits cap 14 and the plan is no longer than cap 14's.
+    costs = Costs.parse("3,2,2,0")
+    per_stage = costs.per_stage(2)
+    P = problem.Problem(8, 24, per_stage, stage_table(per_stage, 16, None), 15)
+    (score, order, how), = search._reordered_below(P)
+    assert P.evaluate(order) == score and "steady peak 14" in how
+    assert max(P.peak(ops) for ops in order) <= 14
+    steps = dict(search.budget_steps(8, 24))
+    at = {cap: simulate(registry.build("v-auto", 8, 24, costs, memory_budget=steps[cap])).makespan for cap in (14, 15)}
+    assert at[15] <= at[14], at
+
+
 def _problem(pp, m, costs, stages=None):
     per_stage = costs.per_stage(2)
     return problem.Problem(pp, m, per_stage, stage_table(per_stage, 2 * pp, stages), 2 * pp)
