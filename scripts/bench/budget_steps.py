@@ -8,6 +8,12 @@ sets of schedules.py.
 
     python scripts/bench/budget_steps.py [--pp 4,8] [--factors 1,2,4] [--max-m 64] [--high 1.0]
                                          [--costs '2,2.2,1.6,0.05'] [--csv out/budget_steps.csv]
+                                         [--ends 1.2x1.25,1.6x1.5]
+
+--ends EMB,LOSS gives the first stage (the embedding's) and the last (the output layer's and
+the loss's) unequal costs and activation sizes, as FACTORxSIZE: their F, B and W the per-stage
+costs times FACTOR, their activations SIZE plain ones (both stages sit on rank 0 of the V).
+Caps are then not whole numbers of activations, so the budgets go in quarters of one.
 """
 from __future__ import annotations
 
@@ -16,25 +22,50 @@ import csv
 import os
 import sys
 import time
+from typing import List, Optional, Tuple
 
 from megatron_vshape.cli import format_table
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.errors import ConfigError
-from megatron_vshape.schedule.ops import Costs
+from megatron_vshape.schedule.ops import Costs, StageCost
+from megatron_vshape.schedule.simulate import one_f_one_b_peak
 from megatron_vshape.schedule.simulate import simulate
 
 COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")
 FIELDS = ("pp", "microbatches", "costs", "cap", "budget", "makespan", "peak", "cpu_s")
 
 
-def scan(pp: int, m: int, costs_text: str, high: float):
+def heavy_ends(pp: int, costs: Costs, ends: str) -> Optional[List[StageCost]]:
+    """The V's 2p stage costs with --ends' first and last stage (None without --ends)."""
+    if not ends:
+        return None
+    (f0, s0), (f1, s1) = [(float(a), float(b)) for a, b in (e.split("x") for e in ends.split(","))]
+    plain = costs.per_stage(2)
+    scale = {0: (f0, s0), 2 * pp - 1: (f1, s1)}
+    return [StageCost(plain.F * scale.get(k, (1, 1))[0], plain.B * scale.get(k, (1, 1))[0],
+                      plain.W * scale.get(k, (1, 1))[0], scale.get(k, (1, 1))[1]) for k in range(2 * pp)]
+
+
+def levels(pp: int, m: int, high: float, fractional: bool) -> List[Tuple[float, float]]:
+    """(cap, budget) from V-Min's budget to `high`: every whole cap, or every quarter of a
+    stage-activation where the sizes make caps fractional."""
+    if not fractional:
+        return search.budget_steps(pp, m, high=high)
+    unit = 2 * one_f_one_b_peak(pp, m)
+    low = search.min_budget(pp)
+    return [(low * unit + k / 4, low + k / (4 * unit)) for k in range(int((high - low) * unit * 4 + 1e-9) + 1)]
+
+
+def scan(pp: int, m: int, costs_text: str, high: float, ends: str = ""):
     """One row per cap level: the plan at the smallest budget giving it, built cold."""
-    for cap, budget in search.budget_steps(pp, m, high=high):
+    costs = Costs.parse(costs_text)
+    stage_costs = heavy_ends(pp, costs, ends)
+    for cap, budget in levels(pp, m, high, stage_costs is not None):
         search._plan.cache_clear()
         t = time.process_time()
         try:
-            s = registry.build("v-auto", pp, m, Costs.parse(costs_text), memory_budget=budget)
+            s = registry.build("v-auto", pp, m, costs, memory_budget=budget, stage_costs=stage_costs)
         except ConfigError:
             continue  # too few microbatches for this cap
         took = time.process_time() - t
@@ -51,9 +82,14 @@ def main(argv=None) -> int:
     ap.add_argument("--high", type=float, default=1.0, help="the largest budget scanned (up to 2.0)")
     ap.add_argument("--costs", default=";".join(COST_SETS))
     ap.add_argument("--csv", default="out/budget_steps.csv")
+    ap.add_argument("--ends", default="", help="the first and last stage as FACTORxSIZE,FACTORxSIZE (e.g. 1.2x1.25,1.6x1.5)")
     args = ap.parse_args(argv)
     if not 0 < args.high <= search.MAX_BUDGET:
         ap.error(f"--high {args.high:g} is outside (0, {search.MAX_BUDGET:g}]; give a budget v-auto serves, e.g. 1.0")
+    try:
+        heavy_ends(4, Costs(), args.ends)
+    except (ValueError, ConfigError):
+        ap.error(f"--ends {args.ends!r}: give the first and last stage as FACTORxSIZE,FACTORxSIZE, e.g. 1.2x1.25,1.6x1.5")
     ints = lambda t: [int(x) for x in t.split(",") if x]  # noqa: E731
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     table, steps, slower, times = [], 0, [], []
@@ -63,7 +99,7 @@ def main(argv=None) -> int:
         for costs in [c for c in args.costs.split(";") if c]:
             for pp in ints(args.pp):
                 for m in sorted({min(k * pp, args.max_m) for k in ints(args.factors)}):
-                    rows = list(scan(pp, m, costs, args.high))
+                    rows = list(scan(pp, m, costs, args.high, args.ends))
                     writer.writerows(rows)
                     f.flush()
                     worse = [(a, b) for a, b in zip(rows, rows[1:]) if b["makespan"] > a["makespan"] + 1e-9]
