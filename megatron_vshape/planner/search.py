@@ -48,8 +48,8 @@ candidates and keeps the shortest under the simulator's rules:
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest blocks its
-    estimate passed over, and the best reordered block at the cap's steady peak and at the one
-    below, likewise and justified), then on the
+    estimate passed over, the best reordered block at the cap's steady peak and at the one
+    below, and the second-best improved start, likewise and justified), then on the
     plan, then on that with rules that wait for the op they prefer instead of starting
     another just before it is ready (`hold`);
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
@@ -614,6 +614,7 @@ class _Best:
     def __init__(self, score, order, how):
         self.score, self.order, self.how, self.finalists = score, order, how, []
         self.plain = score  # the plan before justification (see _late_starts)
+        self.runner_up = []  # the second basin improve() left (a late start on long runs)
 
     def take(self, P: Problem, ms: float, order, step: str, keep_displaced: bool = False) -> bool:
         """Keep `order` (makespan `ms`) if shorter, its step named in `how`."""
@@ -654,7 +655,9 @@ def _improve_starts(P: Problem, starts: _Starts, moves: _Moves) -> Tuple[_Best, 
         new = P.evaluate(got)
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
-    return _Best(score, best, how), left, len(chosen)
+    out = _Best(score, best, how)
+    out.runner_up = next(([(got, k, order, how)] for got, k, order, how in results[1:] if got[0] > score[0] + EPS), [])
+    return out, left, len(chosen)
 
 
 def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int) -> None:
@@ -700,11 +703,14 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
     """Step 5: the best relisted block, then the best of the shortest blocks v-auto's estimate
     passed over, then the best block reordered as the paper's scheduler does, then the best
-    of those one steady peak lower (those three justified once too), each improved with a
+    of those one steady peak lower, then on long runs the second-best start improve() left
+    (those four justified once too: justification gains the most there, and which basin it
+    gains most from is not the one that was shortest before it), each improved with a
     quarter of one start's share (planning time), kept if shorter: starts in their own basins, tried after
     the rest so that they never displace them (the plan is never longer for them).  `plain` is
     the plan before justification: a late start that would have displaced it is relisted too."""
-    for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, starts.below_reordered)):
+    runner_up = best.runner_up if 6 * P.pp * P.m > RELAX_OPS else []
+    for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, starts.below_reordered, runner_up)):
         if not late or best.score[0] <= P.bound + EPS:
             continue
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
