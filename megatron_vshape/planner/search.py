@@ -18,9 +18,7 @@ candidates and keeps the shortest under the simulator's rules:
   * in v-auto's long runs, the blocks at the cap repeated, squeezed and reordered as the
     paper's released scheduler does (reorder.py: its warm-up and cool-down shapes, then every
     empty slot filled by the first later op that may move there), the best estimated first,
-    within REORDER_OPS; the shortest is a late start (below, `_reordered_candidates`), and so
-    is the shortest of the blocks one steady peak lower, which the released scheduler tries
-    too (`_reordered_below`);
+    within REORDER_OPS; the shortest is a late start (below, `_reordered_candidates`);
   * with few microbatches (m <= p, short runs), the squeezed and greedy candidates built
     for one stage-activation more, repaired under the cap (`refit`);
   * an improvement pass (`improve`) on the best of these: ops on the critical path moved
@@ -48,8 +46,8 @@ candidates and keeps the shortest under the simulator's rules:
     last F of a chunk (or a few microbatches earlier) and a greedy rule runs the rest under
     the real costs; on long runs first on the squeezed blocks (the best of them improved,
     kept if shorter than the plan so far; in v-auto then the best of the shortest blocks its
-    estimate passed over, the best reordered block at the cap's steady peak and at the one
-    below, and the second-best improved start, likewise and justified), then on the
+    estimate passed over, the best reordered block, and the second-best improved start,
+    likewise and justified), then on the
     plan, then on that with rules that wait for the op they prefer instead of starting
     another just before it is ready (`hold`);
   * the plan's microbatches relabelled in order on every stage (microbatch_order.py): the
@@ -362,20 +360,19 @@ def _squeezed_candidates(P: Problem, blocks: Optional[Sequence[Tuple[str, slots.
 
 
 REORDER_OPS = 50_000  # ops of the runs reorder.framework() builds for one problem: bounds CPU time
-BELOW_SHARE = 4  # the blocks one steady peak lower get 1/BELOW_SHARE of REORDER_OPS
 
 
-def _reordered_candidates(P: Problem, first: Sequence[slots.Block], work: int = REORDER_OPS) -> List[Tuple[Tuple[float, float, float], List[List[int]], str]]:
+def _reordered_candidates(P: Problem, first: Sequence[slots.Block]) -> List[Tuple[Tuple[float, float, float], List[List[int]], str]]:
     """The blocks at the cap repeated, squeezed and reordered as the paper's released scheduler
     does (reorder.py), `first` first (v-auto's estimate), then the rest by steady period,
-    within `work` ops: the shortest of them with its score (none if none fits).  Stages of
+    within REORDER_OPS: the shortest of them with its score (none if none fits).  Stages of
     equal size only (the shapes' counts are in activations)."""
     if len(set(P.size)) > 1:
         return []
     period = _steady_periods(P)
     taken = set(first)
     rest = sorted((period[b], n, b) for n, b in _fitting_blocks(P) if b not in taken)
-    found = []
+    work, found = REORDER_OPS, []
     for block in list(first) + [b for _, _, b in rest]:
         short = max(2 * P.pp, slots.small_m(block)) + 4  # a steady stretch to repeat (reorder._periodic_cut)
         work -= 6 * P.pp * min(max(P.m, 2 * P.pp), short)  # the ops of the run it is built on
@@ -387,21 +384,6 @@ def _reordered_candidates(P: Problem, first: Sequence[slots.Block], work: int = 
             found.append((score, len(found), order, f"uniform block {block[0]}/{block[1]} reordered as the paper's"))
     found.sort(key=lambda x: (x[0][:2], x[1]))
     return [(score, order, how) for score, _, order, how in found[:1]]
-
-
-def _reordered_below(P: Problem) -> List[Tuple[Tuple[float, float, float], List[List[int]], str]]:
-    """_reordered_candidates for the blocks one steady peak below the cap's top (by steady
-    period, within a share of the work), as the cap below builds them: the released scheduler
-    tries blocks of every peak that fits, and a block of the level below, reordered, can
-    end shorter than those at the top (pp=8, m=24, 3,2,2,0: 178.5 at cap 15 from a block of
-    peak 14, 179.5 from those of peak 15), so a step up in budget keeps that basin."""
-    peak = dict(zip(_uniform_blocks(P.pp), _steady_peaks(P.pp, tuple(P.size))))
-    fitting = _fitting_blocks(P)
-    if not fitting:
-        return []
-    Q = Problem(P.pp, P.m, P.costs, P.table, peak[fitting[0][1]] - P.size[0])  # one activation less
-    return [(P.evaluate(order), order, f"{how} (steady peak {peak[_fitting_blocks(Q)[0][1]]:g})")
-            for _, order, how in _reordered_candidates(Q, [], REORDER_OPS // BELOW_SHARE)]
 
 
 REFIT_OPS = 400  # runs of up to this many ops get refit candidates (planning time)
@@ -469,8 +451,8 @@ class _Starts:
     """The candidate orders of one problem, each (score, tie-break, order, how), the
     tie-break being the order the starts were made in: `cands` ranked, `refits` (other
     basins: improved besides the best few), and the late starts `relisted`, `by_length`
-    (v-auto's shortest blocks its estimate passed over), `reordered` (v-auto's
-    blocks reordered as the paper's scheduler does) and `below_reordered`, tried after everything else.
+    (v-auto's shortest blocks its estimate passed over) and `reordered` (v-auto's
+    blocks reordered as the paper's scheduler does), tried after everything else.
     `includes_named`: v-auto's candidates include the named plan below its budget, whose own
     search spent a share of the work."""
     cands: list
@@ -479,7 +461,6 @@ class _Starts:
     by_length: list
     includes_named: bool
     reordered: list
-    below_reordered: list  # and those of the steady peak below (_reordered_below)
 
 
 def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[Tuple[str, float]]) -> _Starts:
@@ -520,12 +501,10 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
         got, better = relist(P, order) if n_ops > RELAX_OPS else (None, None)
         if got is not None and got[:2] < cands[-1][0][:2]:
             relisted.append((got, len(relisted), better, how + ", cool-down relisted"))
-    reordered, below_reordered = [], []  # the blocks reordered as the paper's scheduler does: late starts
+    reordered = []  # the blocks reordered as the paper's scheduler does: a late start
     if own:
         for score, order, how in _reordered_candidates(P, estimated):
             reordered.append((score, len(reordered), order, how))
-        for score, order, how in _reordered_below(P):
-            below_reordered.append((score, len(below_reordered), order, how))
     by_length = []  # the shortest blocks the estimate passed over, squeezed in the steady mode: tried last
     for order, how in _squeezed_candidates(P, passed, LATE_STRETCHED, whole=False, relisted=True):
         got, better = relist(P, order)
@@ -546,7 +525,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    return _Starts(cands, refits, relisted, by_length, includes_named, reordered, below_reordered)
+    return _Starts(cands, refits, relisted, by_length, includes_named, reordered)
 
 
 @dataclass
@@ -702,15 +681,15 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
     """Step 5: the best relisted block, then the best of the shortest blocks v-auto's estimate
-    passed over, then the best block reordered as the paper's scheduler does, then the best
-    of those one steady peak lower, then on long runs the second-best start improve() left
-    (those four justified once too: justification gains the most there, and which basin it
-    gains most from is not the one that was shortest before it), each improved with a
-    quarter of one start's share (planning time), kept if shorter: starts in their own basins, tried after
+    passed over, then the best block reordered as the paper's scheduler does, then on long
+    runs the second-best start improve() left (those three justified once too: justification
+    gains most there, and not always from the basin that was shortest before it), each
+    improved with a quarter of one start's share (planning time), kept if shorter: starts in
+    their own basins, tried after
     the rest so that they never displace them (the plan is never longer for them).  `plain` is
     the plan before justification: a late start that would have displaced it is relisted too."""
     runner_up = best.runner_up if 6 * P.pp * P.m > RELAX_OPS else []
-    for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, starts.below_reordered, runner_up)):
+    for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, runner_up)):
         if not late or best.score[0] <= P.bound + EPS:
             continue
         got, _, order, why = min(late, key=lambda c: (c[0][:2], c[1]))
