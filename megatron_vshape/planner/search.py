@@ -681,14 +681,14 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
     """Step 5: the best relisted block, then the best of the shortest blocks v-auto's estimate
-    passed over, then the best block reordered as the paper's scheduler does, then on long
-    runs the second-best start improve() left (those three justified once too: justification
+    passed over, then the best block reordered as the paper's scheduler does, then on v-auto's
+    long runs the second-best start improve() left (those three justified once too: justification
     gains most there, and not always from the basin that was shortest before it), each
     improved with a quarter of one start's share (planning time), kept if shorter: starts in
     their own basins, tried after
     the rest so that they never displace them (the plan is never longer for them).  `plain` is
     the plan before justification: a late start that would have displaced it is relisted too."""
-    runner_up = best.runner_up if 6 * P.pp * P.m > RELAX_OPS else []
+    runner_up = best.runner_up if 6 * P.pp * P.m > RELAX_OPS and not moves.named else []
     for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, runner_up)):
         if not late or best.score[0] <= P.bound + EPS:
             continue
