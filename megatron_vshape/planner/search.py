@@ -461,6 +461,7 @@ class _Starts:
     by_length: list
     includes_named: bool
     reordered: list
+    own: bool  # v-auto's own plan on a long run (over RELAX_OPS ops): the late starts it alone gets
 
 
 def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[Tuple[str, float]]) -> _Starts:
@@ -525,7 +526,7 @@ def _starts(name: str, P: Problem, costs: Costs, budget: float, below: Optional[
     if not cands + refits:
         raise Stuck(f"{name}: no candidate fits cap {P.cap:g} at pp={pp}, microbatches={m}")
     cands.sort(key=lambda c: (c[0][:2], c[1]))
-    return _Starts(cands, refits, relisted, by_length, includes_named, reordered)
+    return _Starts(cands, refits, relisted, by_length, includes_named, reordered, own)
 
 
 @dataclass
@@ -682,13 +683,13 @@ def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int)
 def _late_starts(P: Problem, best: _Best, starts: _Starts, moves: _Moves, plain, n_starts: int) -> None:
     """Step 5: the best relisted block, then the best of the shortest blocks v-auto's estimate
     passed over, then the best block reordered as the paper's scheduler does, then on v-auto's
-    long runs the second-best start improve() left (those three justified once too: justification
-    gains most there, and not always from the basin that was shortest before it), each
-    improved with a quarter of one start's share (planning time), kept if shorter: starts in
-    their own basins, tried after
-    the rest so that they never displace them (the plan is never longer for them).  `plain` is
-    the plan before justification: a late start that would have displaced it is relisted too."""
-    runner_up = best.runner_up if 6 * P.pp * P.m > RELAX_OPS and not moves.named else []
+    long runs the second-best start improve() left (those three justified once too:
+    justification gains most there, and not always from the basin that was shortest before
+    it), each improved with a quarter of one start's share (planning time), kept if shorter:
+    starts in their own basins, tried after the rest so that they never displace them (the
+    plan is never longer for them).  `plain` is the plan before justification: a late start
+    that would have displaced it is relisted too."""
+    runner_up = best.runner_up if starts.own else []
     for k, late in enumerate((starts.relisted, starts.by_length, starts.reordered, runner_up)):
         if not late or best.score[0] <= P.bound + EPS:
             continue

@@ -42,9 +42,8 @@ def heavy_ends(pp: int, costs: Costs, ends: str) -> Optional[List[StageCost]]:
         return None
     (f0, s0), (f1, s1) = [(float(a), float(b)) for a, b in (e.split("x") for e in ends.split(","))]
     plain = costs.per_stage(2)
-    scale = {0: (f0, s0), 2 * pp - 1: (f1, s1)}
-    return [StageCost(plain.F * scale.get(k, (1, 1))[0], plain.B * scale.get(k, (1, 1))[0],
-                      plain.W * scale.get(k, (1, 1))[0], scale.get(k, (1, 1))[1]) for k in range(2 * pp)]
+    scale = [(f0, s0)] + [(1.0, 1.0)] * (2 * pp - 2) + [(f1, s1)]
+    return [StageCost(plain.F * f, plain.B * f, plain.W * f, size) for f, size in scale]
 
 
 def levels(pp: int, m: int, high: float, fractional: bool) -> List[Tuple[float, float]]:
