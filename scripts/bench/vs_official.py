@@ -17,11 +17,16 @@ point), so --sample N draws N points uniformly from it with --seed; --pp/--facto
                                         [--pp 4,5,...] [--min-m 33] [--max-m 64] [--points 10:23:18,...]
                                         [--csv out/vs_official.csv]
 
-To check a planner change without running the released scheduler again, --against CSV re-plans
-v-auto at every point of an earlier run's CSV and compares with the official figures stored
-there (--official is then not needed):
+To check a planner change without running the released scheduler again, --against re-plans
+v-auto at stored points and compares with the official figures stored with them (--official is
+then not needed).  Without a path it takes scripts/bench/data/official_v_auto.csv, the official
+figures of every run quoted in docs/planner.md; --pp, --min-m, --max-m, --costs and --sample
+pick among its points:
 
+    python scripts/bench/vs_official.py --against [--pp 4] [--sample 100] --csv out/after.csv
     python scripts/bench/vs_official.py --against out/vs_official.csv --csv out/after.csv
+
+--keep adds an --official run's figures to that file (a point already there keeps its row).
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ from megatron_vshape.schedule.simulate import simulate
 
 COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")  # per rank, as users give them
 FIELDS = ("pp", "microbatches", "costs", "cap", "official", "official_peak", "ours", "ours_peak", "gap", "official_s", "ours_s")
+STORED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "official_v_auto.csv")
+STORED_FIELDS = FIELDS[:6]  # the official figures of a point: what --against needs
 
 
 def load(path: str):
@@ -103,24 +110,30 @@ def ours_at(row: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--official", help="path of the released v_auto_schedule.py")
-    ap.add_argument("--against", help="an earlier run's CSV: re-plan v-auto at its points, against its official figures")
-    ap.add_argument("--pp", default=",".join(str(p) for p in range(4, 17)))
-    ap.add_argument("--max-m", type=int, default=128, help="largest microbatch count drawn (the grid goes to 8p)")
-    ap.add_argument("--costs", default=";".join(COST_SETS))
-    ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly from the grid (0: all)")
-    ap.add_argument("--min-m", type=int, default=1, help="smallest microbatch count drawn (the grid starts at p)")
+    ap.add_argument("--against", nargs="?", const=STORED,
+                    help="stored points (an earlier run's CSV; without a path the figures in scripts/bench/data): "
+                         "re-plan v-auto at them, against their official figures")
+    ap.add_argument("--keep", action="store_true", help=f"add this --official run's figures to {os.path.relpath(STORED)}")
+    ap.add_argument("--pp", help="pipeline sizes, comma-separated (default: 4..16)")
+    ap.add_argument("--max-m", type=int, help="largest microbatch count (default 128; the grid goes to 8p)")
+    ap.add_argument("--costs", help="cost sets separated by ';' (default: the three of schedules.py)")
+    ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly (0: all)")
+    ap.add_argument("--min-m", type=int, default=1, help="smallest microbatch count (the grid starts at p)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
     if args.against:
         with open(args.against, newline="") as f:
-            chosen = list(csv.DictReader(f))
+            chosen = [row for row in csv.DictReader(f) if _picked(row, args)]
+        if 0 < args.sample < len(chosen):
+            chosen = random.Random(args.seed).sample(chosen, args.sample)
+        print(f"{len(chosen)} stored points of {args.against}", file=sys.stderr)
         return report((ours_at(row) for row in chosen), args.csv)
     if not args.official:
-        ap.error("give --official PATH (the released v_auto_schedule.py) or --against CSV (an earlier run's points)")
-    grid = list(points([int(x) for x in args.pp.split(",")], args.max_m, [c for c in args.costs.split(";") if c],
-                       args.min_m))
+        ap.error("give --official PATH (the released v_auto_schedule.py) or --against [CSV] (stored points)")
+    pps = [int(x) for x in args.pp.split(",")] if args.pp else range(4, 17)
+    grid = list(points(pps, args.max_m or 128, [c for c in (args.costs or ";".join(COST_SETS)).split(";") if c], args.min_m))
     if args.points:
         try:
             wanted = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")}
@@ -135,7 +148,38 @@ def main(argv=None) -> int:
     official = load(args.official)
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
-    return report((compare(official, *point) for point in chosen), args.csv)
+    code = report((compare(official, *point) for point in chosen), args.csv)
+    if args.keep:
+        with open(args.csv, newline="") as f:
+            print(f"kept {keep(list(csv.DictReader(f)))} new points in {STORED}", file=sys.stderr)
+    return code
+
+
+def _picked(row: dict, args) -> bool:
+    """A stored point inside --pp, --min-m, --max-m and --costs (each only where given)."""
+    pp, m = int(row["pp"]), int(row["microbatches"])
+    return ((not args.pp or pp in {int(x) for x in args.pp.split(",")})
+            and args.min_m <= m <= (args.max_m or m)
+            and (not args.costs or row["costs"] in args.costs.split(";")))
+
+
+def keep(rows, path: str = STORED) -> int:
+    """The official figures of `rows` added to the stored points at `path`, sorted by point;
+    a point already stored keeps its row (the released scheduler is deterministic).  Returns
+    how many were new."""
+    key = lambda r: (int(r["pp"]), int(r["microbatches"]), r["costs"], int(r["cap"]))  # noqa: E731
+    stored = {}
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            stored = {key(r): r for r in csv.DictReader(f)}
+    new = {key(r): {k: r[k] for k in STORED_FIELDS} for r in rows if key(r) not in stored}
+    stored.update(new)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=STORED_FIELDS)
+        writer.writeheader()
+        writer.writerows(stored[k] for k in sorted(stored))
+    return len(new)
 
 
 def report(results, path: str) -> int:

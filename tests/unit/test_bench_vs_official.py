@@ -51,4 +51,49 @@ def test_against_replans_v_auto_at_an_earlier_runs_points(tmp_path, capsys):
 def test_without_official_or_against_it_says_what_to_give(capsys):
     with pytest.raises(SystemExit):
         bench.main([])
-    assert "--against CSV" in capsys.readouterr().err
+    assert "--against [CSV]" in capsys.readouterr().err
+
+
+def test_the_stored_official_figures_bound_v_auto_at_a_sample_of_their_points(tmp_path, capsys):
+    """scripts/bench/data holds the released scheduler's figures (an outside bound, measured by
+    --official runs): one row a point, its peak within its cap; v-auto re-planned with
+    --against (no path: those figures) at a sample of the pp=4 points is never longer and
+    peaks no higher."""
+    with open(bench.STORED, newline="") as f:
+        stored = list(bench.csv.DictReader(f))
+    points = [(int(r["pp"]), int(r["microbatches"]), r["costs"], int(r["cap"])) for r in stored]
+    assert len(points) == len(set(points)) and points == sorted(points)
+    assert all(0 < int(r["official_peak"]) <= int(r["cap"]) and float(r["official"]) > 0 for r in stored)
+    after = tmp_path / "after.csv"
+    assert bench.main(["--against", "--pp", "4", "--max-m", "10", "--sample", "6", "--seed", "3", "--csv", str(after)]) == 0
+    with open(after, newline="") as f:
+        got = list(bench.csv.DictReader(f))
+    assert len(got) == 6 and all(r["pp"] == "4" and int(r["microbatches"]) <= 10 for r in got)
+    for row in got:
+        assert float(row["ours"]) <= float(row["official"]) + 1e-9, row
+        assert int(row["ours_peak"]) <= int(row["official_peak"])
+    assert "points 6  worse 0" in capsys.readouterr().out
+
+
+def test_keep_adds_new_points_sorted_and_leaves_stored_ones(tmp_path):
+    path = str(tmp_path / "data" / "stored.csv")
+    row = lambda pp, m, cap, official: {"pp": pp, "microbatches": m, "costs": "1,1,1,0", "cap": cap,  # noqa: E731
+                                        "official": official, "official_peak": cap, "ours": 1.0, "gap": 0.0}
+    assert bench.keep([row(6, 9, 8, 32.5), row(4, 8, 6, 30.0)], path) == 2
+    assert bench.keep([row(4, 8, 6, 99.0), row(4, 5, 4, 20.0)], path) == 1  # (4, 8, 6) stays 30
+    with open(path, newline="") as f:
+        got = list(bench.csv.DictReader(f))
+    assert [(r["pp"], r["microbatches"], r["cap"], r["official"]) for r in got] == [
+        ("4", "5", "4", "20.0"), ("4", "8", "6", "30.0"), ("6", "9", "8", "32.5")]
+    assert list(got[0]) == list(bench.STORED_FIELDS)
+
+
+def test_against_picks_stored_points_by_pp_microbatches_and_costs():
+    args = bench.argparse.Namespace(pp="4,6", min_m=5, max_m=8, costs="1,1,1,0;2,2,2,0.25")
+    point = lambda pp, m, costs: {"pp": str(pp), "microbatches": str(m), "costs": costs}  # noqa: E731
+    assert bench._picked(point(4, 8, "1,1,1,0"), args) and bench._picked(point(6, 5, "2,2,2,0.25"), args)
+    assert not bench._picked(point(5, 8, "1,1,1,0"), args)  # pp
+    assert not bench._picked(point(4, 9, "1,1,1,0"), args) and not bench._picked(point(4, 4, "1,1,1,0"), args)  # m
+    assert not bench._picked(point(4, 8, "2,2.2,1.6,0.05"), args)  # costs
+    unset = bench.argparse.Namespace(pp=None, min_m=1, max_m=None, costs=None)
+    assert bench._picked(point(13, 100, "3,2,2,0"), unset)
