@@ -591,10 +591,10 @@ class _Best:
     """The best order so far, its score and how it was found; `finalists` are plans a later
     step displaced, relisted at the end too (a relist may shorten them more)."""
 
-    def __init__(self, score, order, how):
+    def __init__(self, score, order, how, runner_up=()):
         self.score, self.order, self.how, self.finalists = score, order, how, []
         self.plain = score  # the plan before justification (see _late_starts)
-        self.runner_up = []  # the second basin improve() left (a late start on long runs)
+        self.runner_up = list(runner_up)  # the second basin improve() left (a late start on long runs)
 
     def take(self, P: Problem, ms: float, order, step: str, keep_displaced: bool = False) -> bool:
         """Keep `order` (makespan `ms`) if shorter, its step named in `how`."""
@@ -635,9 +635,8 @@ def _improve_starts(P: Problem, starts: _Starts, moves: _Moves) -> Tuple[_Best, 
         new = P.evaluate(got)
         if new is not None and new[:2] < score[:2] and new[0] < score[0] + EPS and P.fits(got):
             score, best, how = new, got, how + f" + W's re-placed (theta={theta:g})"
-    out = _Best(score, best, how)
-    out.runner_up = next(([(got, k, order, how)] for got, k, order, how in results[1:] if got[0] > score[0] + EPS), [])
-    return out, left, len(chosen)
+    runner_up = next(([c] for c in results[1:] if c[0][0] > score[0] + EPS), [])
+    return _Best(score, best, how, runner_up), left, len(chosen)
 
 
 def _search_on(P: Problem, best: _Best, moves: _Moves, left: int, n_starts: int) -> None:
