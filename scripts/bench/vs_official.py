@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
+    if args.against and args.keep:
+        ap.error("--keep stores what --official measures; --against re-plans stored points and has nothing to keep")
     if args.against:
         with open(args.against, newline="") as f:
             chosen = [row for row in csv.DictReader(f) if _picked(row, args)]

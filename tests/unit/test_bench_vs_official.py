@@ -52,6 +52,9 @@ def test_without_official_or_against_it_says_what_to_give(capsys):
     with pytest.raises(SystemExit):
         bench.main([])
     assert "--against [CSV]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--against", "--keep"])
+    assert "nothing to keep" in capsys.readouterr().err
 
 
 def test_the_stored_official_figures_bound_v_auto_at_a_sample_of_their_points(tmp_path, capsys):
