@@ -39,6 +39,7 @@ import os
 import random
 import sys
 import time
+from typing import List
 
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
         if 0 < args.sample < len(chosen):
             chosen = random.Random(args.seed).sample(chosen, args.sample)
         print(f"{len(chosen)} stored points of {args.against}", file=sys.stderr)
-        return report((ours_at(row) for row in chosen), args.csv)
+        report((ours_at(row) for row in chosen), args.csv)
+        return 0
     if not args.official:
         ap.error("give --official PATH (the released v_auto_schedule.py) or --against [CSV] (stored points)")
     pps = [int(x) for x in args.pp.split(",")] if args.pp else range(4, 17)
@@ -150,11 +152,10 @@ def main(argv=None) -> int:
     official = load(args.official)
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
-    code = report((compare(official, *point) for point in chosen), args.csv)
+    rows = report((compare(official, *point) for point in chosen), args.csv)
     if args.keep:
-        with open(args.csv, newline="") as f:
-            print(f"kept {keep(list(csv.DictReader(f)))} new points in {STORED}", file=sys.stderr)
-    return code
+        print(f"kept {keep(rows)} new points in {STORED}", file=sys.stderr)
+    return 0
 
 
 def _picked(row: dict, args) -> bool:
@@ -184,8 +185,8 @@ def keep(rows, path: str = STORED) -> int:
     return len(new)
 
 
-def report(results, path: str) -> int:
-    """Each row written to the CSV at `path` and printed as it comes, then the summary."""
+def report(results, path: str) -> List[dict]:
+    """Each row written to the CSV at `path` and printed as it comes, then the summary; the rows."""
     rows = []
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
@@ -201,7 +202,7 @@ def report(results, path: str) -> int:
     equal = [r for r in rows if abs(r["gap"]) <= 1e-9]
     print(f"\npoints {len(rows)}  worse {len(worse)}  equal {len(equal)}  better {len(rows) - len(worse) - len(equal)}  "
           f"worst gap {max((r['gap'] for r in rows), default=0):+.3%}  mean {sum(r['gap'] for r in rows) / max(1, len(rows)):+.3%}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
