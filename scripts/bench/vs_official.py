@@ -126,6 +126,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.against and args.keep:
         ap.error("--keep stores what --official measures; --against re-plans stored points and has nothing to keep")
+    try:
+        args.points = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")} if args.points else None
+        assert args.points is None or all(len(p) == 3 for p in args.points)
+    except (ValueError, AssertionError):
+        ap.error(f"--points {args.points!r}: give PP:M:CAP triples separated by commas, e.g. 10:23:18")
     if args.against:
         with open(args.against, newline="") as f:
             chosen = [row for row in csv.DictReader(f) if _picked(row, args)]
@@ -139,15 +144,9 @@ def main(argv=None) -> int:
     pps = [int(x) for x in args.pp.split(",")] if args.pp else range(4, 17)
     grid = list(points(pps, args.max_m or 128, [c for c in (args.costs or ";".join(COST_SETS)).split(";") if c], args.min_m))
     if args.points:
-        try:
-            wanted = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")}
-            assert all(len(p) == 3 for p in wanted)
-        except (ValueError, AssertionError):
-            print(f"--points {args.points!r}: give PP:M:CAP triples separated by commas, e.g. 10:23:18", file=sys.stderr)
-            return 2
-        grid = [g for g in grid if (g[0], g[1], g[3]) in wanted]
+        grid = [g for g in grid if (g[0], g[1], g[3]) in args.points]
         if not grid:
-            print(f"--points {args.points!r}: none on the grid (pp in --pp, m from p to min(8p, --max-m), cap from V-Min's to 2p)", file=sys.stderr)
+            print(f"--points {sorted(args.points)}: none on the grid (pp in --pp, m from p to min(8p, --max-m), cap from V-Min's to 2p)", file=sys.stderr)
             return 2
     official = load(args.official)
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
@@ -159,11 +158,12 @@ def main(argv=None) -> int:
 
 
 def _picked(row: dict, args) -> bool:
-    """A stored point inside --pp, --min-m, --max-m and --costs (each only where given)."""
+    """A stored point inside --pp, --min-m, --max-m, --costs and --points (each only where given)."""
     pp, m = int(row["pp"]), int(row["microbatches"])
     return ((not args.pp or pp in {int(x) for x in args.pp.split(",")})
             and args.min_m <= m <= (args.max_m or m)
-            and (not args.costs or row["costs"] in args.costs.split(";")))
+            and (not args.costs or row["costs"] in args.costs.split(";"))
+            and (not args.points or (pp, m, int(row["cap"])) in args.points))
 
 
 def keep(rows, path: str = STORED) -> int:

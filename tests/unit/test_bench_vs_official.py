@@ -91,12 +91,27 @@ def test_keep_adds_new_points_sorted_and_leaves_stored_ones(tmp_path):
     assert list(got[0]) == list(bench.STORED_FIELDS)
 
 
-def test_against_picks_stored_points_by_pp_microbatches_and_costs():
-    args = bench.argparse.Namespace(pp="4,6", min_m=5, max_m=8, costs="1,1,1,0;2,2,2,0.25")
-    point = lambda pp, m, costs: {"pp": str(pp), "microbatches": str(m), "costs": costs}  # noqa: E731
+def test_against_picks_stored_points_by_pp_microbatches_costs_and_points():
+    args = bench.argparse.Namespace(pp="4,6", min_m=5, max_m=8, costs="1,1,1,0;2,2,2,0.25", points=None)
+    point = lambda pp, m, costs, cap=8: {"pp": str(pp), "microbatches": str(m), "costs": costs, "cap": str(cap)}  # noqa: E731
     assert bench._picked(point(4, 8, "1,1,1,0"), args) and bench._picked(point(6, 5, "2,2,2,0.25"), args)
     assert not bench._picked(point(5, 8, "1,1,1,0"), args)  # pp
     assert not bench._picked(point(4, 9, "1,1,1,0"), args) and not bench._picked(point(4, 4, "1,1,1,0"), args)  # m
     assert not bench._picked(point(4, 8, "2,2.2,1.6,0.05"), args)  # costs
-    unset = bench.argparse.Namespace(pp=None, min_m=1, max_m=None, costs=None)
+    unset = bench.argparse.Namespace(pp=None, min_m=1, max_m=None, costs=None, points=None)
     assert bench._picked(point(13, 100, "3,2,2,0"), unset)
+    named = bench.argparse.Namespace(pp=None, min_m=1, max_m=None, costs=None, points={(4, 8, 7), (13, 100, 20)})
+    assert bench._picked(point(4, 8, "1,1,1,0", 7), named) and bench._picked(point(13, 100, "3,2,2,0", 20), named)
+    assert not bench._picked(point(4, 8, "1,1,1,0", 8), named)  # cap
+
+
+def test_against_replans_only_the_points_named(tmp_path, capsys):
+    """--points with --against: the stored points named, not all of them (it re-planned every
+    stored point before)."""
+    out = tmp_path / "named.csv"
+    assert bench.main(["--against", "--points", "4:4:4,4:5:5", "--costs", "1,1,1,0", "--csv", str(out)]) == 0
+    rows = list(bench.csv.DictReader(open(out)))
+    assert sorted((r["microbatches"], r["cap"]) for r in rows) == [("4", "4"), ("5", "5")]
+    assert "2 stored points" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--against", "--points", "4:4", "--csv", str(out)])
