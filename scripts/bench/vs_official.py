@@ -39,7 +39,7 @@ import os
 import random
 import sys
 import time
-from typing import List
+from typing import List, Set, Tuple
 
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
@@ -115,22 +115,17 @@ def main(argv=None) -> int:
                     help="stored points (an earlier run's CSV; without a path the figures in scripts/bench/data): "
                          "re-plan v-auto at them, against their official figures")
     ap.add_argument("--keep", action="store_true", help=f"add this --official run's figures to {os.path.relpath(STORED)}")
-    ap.add_argument("--pp", help="pipeline sizes, comma-separated (default: 4..16)")
+    ap.add_argument("--pp", type=_sizes, help="pipeline sizes, comma-separated (default: 4..16)")
     ap.add_argument("--max-m", type=int, help="largest microbatch count (default 128; the grid goes to 8p)")
     ap.add_argument("--costs", help="cost sets separated by ';' (default: the three of schedules.py)")
     ap.add_argument("--sample", type=int, default=0, help="points drawn uniformly (0: all)")
     ap.add_argument("--min-m", type=int, default=1, help="smallest microbatch count (the grid starts at p)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--csv", default="out/vs_official.csv")
-    ap.add_argument("--points", default="", help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
+    ap.add_argument("--points", type=_triples, help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
     if args.against and args.keep:
         ap.error("--keep stores what --official measures; --against re-plans stored points and has nothing to keep")
-    try:
-        args.points = {tuple(int(x) for x in p.split(":")) for p in args.points.split(",")} if args.points else None
-        assert args.points is None or all(len(p) == 3 for p in args.points)
-    except (ValueError, AssertionError):
-        ap.error(f"--points {args.points!r}: give PP:M:CAP triples separated by commas, e.g. 10:23:18")
     if args.against:
         with open(args.against, newline="") as f:
             chosen = [row for row in csv.DictReader(f) if _picked(row, args)]
@@ -141,7 +136,7 @@ def main(argv=None) -> int:
         return 0
     if not args.official:
         ap.error("give --official PATH (the released v_auto_schedule.py) or --against [CSV] (stored points)")
-    pps = [int(x) for x in args.pp.split(",")] if args.pp else range(4, 17)
+    pps = args.pp or range(4, 17)
     grid = list(points(pps, args.max_m or 128, [c for c in (args.costs or ";".join(COST_SETS)).split(";") if c], args.min_m))
     if args.points:
         grid = [g for g in grid if (g[0], g[1], g[3]) in args.points]
@@ -157,10 +152,29 @@ def main(argv=None) -> int:
     return 0
 
 
+def _sizes(text: str) -> List[int]:
+    """--pp: comma-separated pipeline sizes."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give pipeline sizes separated by commas, e.g. 4,8") from None
+
+
+def _triples(text: str) -> Set[Tuple[int, int, int]]:
+    """--points: PP:M:CAP triples separated by commas."""
+    try:
+        got = {tuple(int(x) for x in p.split(":")) for p in text.split(",")}
+    except ValueError:
+        got = set()
+    if not got or any(len(p) != 3 for p in got):
+        raise argparse.ArgumentTypeError(f"{text!r}: give PP:M:CAP triples separated by commas, e.g. 10:23:18")
+    return got
+
+
 def _picked(row: dict, args) -> bool:
     """A stored point inside --pp, --min-m, --max-m, --costs and --points (each only where given)."""
     pp, m = int(row["pp"]), int(row["microbatches"])
-    return ((not args.pp or pp in {int(x) for x in args.pp.split(",")})
+    return ((not args.pp or pp in args.pp)
             and args.min_m <= m <= (args.max_m or m)
             and (not args.costs or row["costs"] in args.costs.split(";"))
             and (not args.points or (pp, m, int(row["cap"])) in args.points))

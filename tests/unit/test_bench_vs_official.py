@@ -92,7 +92,7 @@ def test_keep_adds_new_points_sorted_and_leaves_stored_ones(tmp_path):
 
 
 def test_against_picks_stored_points_by_pp_microbatches_costs_and_points():
-    args = bench.argparse.Namespace(pp="4,6", min_m=5, max_m=8, costs="1,1,1,0;2,2,2,0.25", points=None)
+    args = bench.argparse.Namespace(pp=[4, 6], min_m=5, max_m=8, costs="1,1,1,0;2,2,2,0.25", points=None)
     point = lambda pp, m, costs, cap=8: {"pp": str(pp), "microbatches": str(m), "costs": costs, "cap": str(cap)}  # noqa: E731
     assert bench._picked(point(4, 8, "1,1,1,0"), args) and bench._picked(point(6, 5, "2,2,2,0.25"), args)
     assert not bench._picked(point(5, 8, "1,1,1,0"), args)  # pp
