@@ -10,8 +10,9 @@ backward; f/b/w go up), simulated, and v-auto is planned at the official schedul
 where v-auto's makespan is longer.
 
 Grid: pp 4..16, microbatches p..8p, the three cost sets of schedules.py, every cap from V-Min's
-to 2p.  It is too large to run whole (the official scheduler takes seconds to minutes a
-point), so --sample N draws N points uniformly from it with --seed; --pp/--factors restrict it.
+to 2p (--costs gives others).  It is too large to run whole in one go (the official scheduler
+takes seconds to minutes a point), so --sample N draws N points uniformly from it with --seed;
+--pp, --min-m, --max-m and --points restrict it.
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
                                         [--pp 4,5,...] [--min-m 33] [--max-m 64] [--points 10:23:18,...]
@@ -26,7 +27,13 @@ pick among its points:
     python scripts/bench/vs_official.py --against [--pp 4] [--sample 100] --csv out/after.csv
     python scripts/bench/vs_official.py --against out/vs_official.csv --csv out/after.csv
 
---keep adds an --official run's figures to that file (a point already there keeps its row).
+--keep adds an --official run's figures to that file as they come (a point already there keeps
+its row), --new measures only the grid points not stored yet, and --jobs N runs N points at a
+time, each process loading the released scheduler once.  At pp 10..16 the released scheduler
+takes 7 to 30 CPU seconds a point on average (up to 100), a few hundred CPU hours for those
+rows of the grid: a many-core machine completes them, stopped and resumed at will:
+
+    python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py --pp 10 --new --jobs 64 --keep
 """
 from __future__ import annotations
 
@@ -35,11 +42,12 @@ import contextlib
 import csv
 import importlib.util
 import io
+import multiprocessing
 import os
 import random
 import sys
 import time
-from typing import List, Set, Tuple
+from typing import Iterable, Iterator, List, Set, Tuple
 
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
@@ -95,6 +103,32 @@ def compare(official, pp, m, costs_text, cap):
                     "official_peak": max(sim.peak_activations), "official_s": round(t_off, 2)})
 
 
+_OFFICIAL = None  # the released scheduler, loaded once in each --jobs process
+
+
+def _load_official(path: str) -> None:
+    global _OFFICIAL
+    _OFFICIAL = load(path)
+
+
+def _compare_point(point) -> dict:
+    return compare(_OFFICIAL, *point)
+
+
+def measured(path: str, chosen: List[tuple], jobs: int) -> Iterator[dict]:
+    """compare() at each point, in the order given: in this process, or in `jobs` processes
+    (forked where the platform can: a bench script loaded by path cannot be re-imported by a
+    spawned one) that each load the released scheduler once."""
+    if jobs <= 1:
+        _load_official(path)
+        yield from map(_compare_point, chosen)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    with context.Pool(jobs, initializer=_load_official, initargs=(path,)) as pool:
+        yield from pool.imap(_compare_point, chosen)
+
+
 def ours_at(row: dict) -> dict:
     """`row` (a point with the official schedule's makespan and peak) with v-auto planned at
     that peak (budget = peak / (2p)) beside it."""
@@ -114,7 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--against", nargs="?", const=STORED,
                     help="stored points (an earlier run's CSV; without a path the figures in scripts/bench/data): "
                          "re-plan v-auto at them, against their official figures")
-    ap.add_argument("--keep", action="store_true", help=f"add this --official run's figures to {os.path.relpath(STORED)}")
+    ap.add_argument("--keep", action="store_true",
+                    help=f"add this --official run's figures to {os.path.relpath(STORED)} as they come")
+    ap.add_argument("--new", action="store_true", help="with --official: only the grid points not stored yet")
+    ap.add_argument("--jobs", type=int, default=1, help="with --official: points measured at a time, one process each")
     ap.add_argument("--pp", type=_sizes, help="pipeline sizes, comma-separated (default: 4..16)")
     ap.add_argument("--max-m", type=int, help="largest microbatch count (default 128; the grid goes to 8p)")
     ap.add_argument("--costs", help="cost sets separated by ';' (default: the three of schedules.py)")
@@ -124,8 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", type=_triples, help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
     args = ap.parse_args(argv)
-    if args.against and args.keep:
-        ap.error("--keep stores what --official measures; --against re-plans stored points and has nothing to keep")
+    if args.against and (args.keep or args.new):
+        ap.error("--keep and --new are for --official runs; --against re-plans stored points and has nothing to keep")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: give 1 or more processes")
     if args.against:
         with open(args.against, newline="") as f:
             chosen = [row for row in csv.DictReader(f) if _picked(row, args)]
@@ -143,12 +182,19 @@ def main(argv=None) -> int:
         if not grid:
             print(f"--points {sorted(args.points)}: none on the grid (pp in --pp, m from p to min(8p, --max-m), cap from V-Min's to 2p)", file=sys.stderr)
             return 2
-    official = load(args.official)
+    if not os.path.isfile(args.official):
+        ap.error(f"--official {args.official}: no such file (give the path of the released v_auto_schedule.py)")
+    whole = len(grid)
+    if args.new:
+        done = stored_points()
+        grid = [g for g in grid if g not in done]
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
-    print(f"{len(chosen)} of {len(grid)} grid points", file=sys.stderr)
-    rows = report((compare(official, *point) for point in chosen), args.csv)
-    if args.keep:
-        print(f"kept {keep(rows)} new points in {STORED}", file=sys.stderr)
+    print(f"{len(chosen)} of {whole} grid points" + (f", {len(grid)} not stored yet" if args.new else ""), file=sys.stderr)
+    rows = measured(args.official, chosen, args.jobs)
+    kept = Kept() if args.keep else None
+    report(kept.each(rows) if kept else rows, args.csv)
+    if kept:
+        print(f"kept {kept.new} new points in {kept.path}", file=sys.stderr)
     return 0
 
 
@@ -180,22 +226,57 @@ def _picked(row: dict, args) -> bool:
             and (not args.points or (pp, m, int(row["cap"])) in args.points))
 
 
-def keep(rows, path: str = STORED) -> int:
-    """The official figures of `rows` added to the stored points at `path`, sorted by point;
-    a point already stored keeps its row (the released scheduler is deterministic).  Returns
-    how many were new."""
-    key = lambda r: (int(r["pp"]), int(r["microbatches"]), r["costs"], int(r["cap"]))  # noqa: E731
-    stored = {}
+def _key(row) -> Tuple[int, int, str, int]:
+    return int(row["pp"]), int(row["microbatches"]), row["costs"], int(row["cap"])
+
+
+def stored_points(path: str = "") -> Set[Tuple[int, int, str, int]]:
+    """(pp, microbatches, costs, cap) of every point stored at `path` (default STORED)."""
+    path = path or STORED
+    if not os.path.exists(path):
+        return set()
+    with open(path, newline="") as f:
+        return {_key(r) for r in csv.DictReader(f)}
+
+
+class Kept:
+    """--keep as rows come: every `batch` rows and at the end, so a long run stopped part way
+    keeps what it measured (up to `batch` rows less)."""
+
+    def __init__(self, path: str = "", batch: int = 10):
+        self.path, self.batch, self.new = path or STORED, batch, 0
+
+    def each(self, rows: Iterable[dict]) -> Iterator[dict]:
+        pending = []
+        try:
+            for row in rows:
+                pending.append(row)
+                yield row
+                if len(pending) == self.batch:
+                    self.new += keep(pending, self.path)
+                    pending = []
+        finally:
+            if pending:
+                self.new += keep(pending, self.path)
+
+
+def keep(rows, path: str = "") -> int:
+    """The official figures of `rows` added to the stored points at `path` (default STORED),
+    sorted by point; a point already stored keeps its row (the released scheduler is
+    deterministic).  Written beside and renamed over, so a run stopped while it writes leaves
+    the file whole.  Returns how many were new."""
+    path, stored = path or STORED, {}
     if os.path.exists(path):
         with open(path, newline="") as f:
-            stored = {key(r): r for r in csv.DictReader(f)}
-    new = {key(r): {k: r[k] for k in STORED_FIELDS} for r in rows if key(r) not in stored}
+            stored = {_key(r): r for r in csv.DictReader(f)}
+    new = {_key(r): {k: r[k] for k in STORED_FIELDS} for r in rows if _key(r) not in stored}
     stored.update(new)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with open(path + ".new", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=STORED_FIELDS)
         writer.writeheader()
         writer.writerows(stored[k] for k in sorted(stored))
+    os.replace(path + ".new", path)
     return len(new)
 
 

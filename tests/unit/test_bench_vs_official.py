@@ -1,5 +1,7 @@
 """scripts/bench/vs_official.py's grid (the comparison itself needs the paper's released scheduler,
 which this repository does not ship): pp 4..16, m p..8p, every cap from V-Min's to 2p."""
+import os
+
 import pytest
 from bench_scripts import load_bench
 
@@ -115,3 +117,79 @@ def test_against_replans_only_the_points_named(tmp_path, capsys):
     assert "2 stored points" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--against", "--points", "4:4", "--csv", str(out)])
+
+
+# The released scheduler's interface (schedule(pp, m, (f, b, w, c), max_mem) -> each rank's
+# nodes, with .type F/B/W and .chunk 0/1), answering with this project's V-Min plan: its peak
+# is V-Min's cap, under every cap of the grid.  It prints, as the released one does.
+STAND_IN = '''
+from types import SimpleNamespace
+from megatron_vshape.schedule import registry
+from megatron_vshape.schedule.ops import Costs
+
+def schedule(pp, m, costs, max_mem):
+    f, b, w, c = costs
+    plan = registry.build("v-min", pp, m, Costs(2 * f, 2 * b, 2 * w, c))
+    print("memory and bubble table")
+    return [[SimpleNamespace(type=op.kind, chunk=0 if op.stage == r else 1) for op in ops]
+            for r, ops in enumerate(plan.ranks)]
+'''
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(bench.csv.DictReader(f))
+
+
+def test_official_runs_in_processes_resume_with_new_and_keep_as_they_come(tmp_path, monkeypatch, capsys):
+    """--jobs 2 measures what one process does, in the same order; --keep stores each point;
+    --new then measures only the points not stored.  The replay is checked by a round trip:
+    the stand-in's order replayed simulates to the V-Min plan's own makespan and peak."""
+    from megatron_vshape.schedule import registry
+    from megatron_vshape.schedule.ops import Costs
+    from megatron_vshape.schedule.simulate import simulate
+
+    official, stored = tmp_path / "v_auto_schedule.py", tmp_path / "data" / "stored.csv"
+    official.write_text(STAND_IN)
+    monkeypatch.setattr(bench, "STORED", str(stored))
+    named = ["--pp", "4", "--costs", "1,1,1,0", "--points", "4:4:4,4:5:6,4:6:8", "--official", str(official)]
+    one, two, more = tmp_path / "one.csv", tmp_path / "two.csv", tmp_path / "more.csv"
+    assert bench.main(named + ["--csv", str(one)]) == 0
+    assert bench.main(named + ["--jobs", "2", "--keep", "--csv", str(two)]) == 0
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert untimed(_rows(one)) == untimed(_rows(two))
+    assert [(r["microbatches"], r["cap"]) for r in _rows(one)] == [("4", "4"), ("5", "6"), ("6", "8")]
+    for row in _rows(one):
+        plan = simulate(registry.build("v-min", 4, int(row["microbatches"]), Costs()))
+        assert float(row["official"]) == round(plan.makespan, 6)
+        assert int(row["official_peak"]) == max(plan.peak_activations) <= int(row["cap"])
+    assert bench.stored_points() == {(4, 4, "1,1,1,0", 4), (4, 5, "1,1,1,0", 6), (4, 6, "1,1,1,0", 8)}
+    assert "kept 3 new points" in capsys.readouterr().err
+    named[5] += ",4:5:5"
+    assert bench.main(named + ["--new", "--keep", "--csv", str(more)]) == 0
+    assert [(r["microbatches"], r["cap"]) for r in _rows(more)] == [("5", "5")]
+    assert "1 of 4 grid points, 1 not stored yet" in capsys.readouterr().err
+    assert len(bench.stored_points()) == 4 and not os.path.exists(str(stored) + ".new")
+
+
+def test_kept_stores_every_batch_and_what_a_stopped_run_measured(tmp_path):
+    path = str(tmp_path / "stored.csv")
+    row = lambda m: {"pp": 4, "microbatches": m, "costs": "1,1,1,0", "cap": 4, "official": 1.0, "official_peak": 4}  # noqa: E731
+    kept = bench.Kept(path, batch=2)
+    rows = kept.each(row(m) for m in range(4, 9))
+    next(rows), next(rows), next(rows)  # a batch of two stored, one pending
+    assert len(bench.stored_points(path)) == 2
+    rows.close()  # the run stopped: the pending row is stored too
+    assert len(bench.stored_points(path)) == 3 and kept.new == 3
+
+
+def test_jobs_and_new_are_checked_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--against", "--new"])
+    assert "--new are for --official runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--official", "x.py", "--jobs", "0"])
+    assert "--jobs 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--official", "no/such/v_auto_schedule.py", "--pp", "4", "--max-m", "4"])
+    assert "no such file" in capsys.readouterr().err
