@@ -29,7 +29,8 @@ pick among its points:
 
 --keep adds an --official run's figures to that file as they come (a point already there keeps
 its row), --new measures only the grid points not stored yet, and --jobs N runs N points at a
-time, each process loading the released scheduler once.  At pp 10..16 the released scheduler
+time (with --official each process loads the released scheduler once; with --against it
+re-checks the stored points N times faster).  At pp 10..16 the released scheduler
 takes 7 to 30 CPU seconds a point on average (up to 100), a few hundred CPU hours for those
 rows of the grid: a many-core machine completes them, stopped and resumed at will:
 
@@ -115,18 +116,19 @@ def _compare_point(point) -> dict:
     return compare(_OFFICIAL, *point)
 
 
-def measured(path: str, chosen: List[tuple], jobs: int) -> Iterator[dict]:
-    """compare() at each point, in the order given: in this process, or in `jobs` processes
-    (forked where the platform can: a bench script loaded by path cannot be re-imported by a
-    spawned one) that each load the released scheduler once."""
+def in_processes(fn, items: List, jobs: int, setup=None, arg=None) -> Iterator:
+    """fn of each item, in the order given: here, or in `jobs` processes that each run
+    setup(arg) first (forked where the platform can: a bench script loaded by path cannot be
+    re-imported by a spawned one)."""
     if jobs <= 1:
-        _load_official(path)
-        yield from map(_compare_point, chosen)
+        if setup:
+            setup(arg)
+        yield from map(fn, items)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(jobs, initializer=_load_official, initargs=(path,)) as pool:
-        yield from pool.imap(_compare_point, chosen)
+    with context.Pool(jobs, initializer=setup, initargs=(arg,) if setup else ()) as pool:
+        yield from pool.imap(fn, items)
 
 
 def ours_at(row: dict) -> dict:
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true",
                     help=f"add this --official run's figures to {os.path.relpath(STORED)} as they come")
     ap.add_argument("--new", action="store_true", help="with --official: only the grid points not stored yet")
-    ap.add_argument("--jobs", type=int, default=1, help="with --official: points measured at a time, one process each")
+    ap.add_argument("--jobs", type=int, default=1, help="points measured or re-planned at a time, one process each")
     ap.add_argument("--pp", type=_sizes, help="pipeline sizes, comma-separated (default: 4..16)")
     ap.add_argument("--max-m", type=int, help="largest microbatch count (default 128; the grid goes to 8p)")
     ap.add_argument("--costs", help="cost sets separated by ';' (default: the three of schedules.py)")
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
         if 0 < args.sample < len(chosen):
             chosen = random.Random(args.seed).sample(chosen, args.sample)
         print(f"{len(chosen)} stored points of {args.against}", file=sys.stderr)
-        report((ours_at(row) for row in chosen), args.csv)
+        report(in_processes(ours_at, chosen, args.jobs), args.csv)
         return 0
     if not args.official:
         ap.error("give --official PATH (the released v_auto_schedule.py) or --against [CSV] (stored points)")
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
         grid = [g for g in grid if g not in done]
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {whole} grid points" + (f", {len(grid)} not stored yet" if args.new else ""), file=sys.stderr)
-    rows = measured(args.official, chosen, args.jobs)
+    rows = in_processes(_compare_point, chosen, args.jobs, _load_official, args.official)
     kept = Kept() if args.keep else None
     report(kept.each(rows) if kept else rows, args.csv)
     if kept:

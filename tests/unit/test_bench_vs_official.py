@@ -110,11 +110,15 @@ def test_against_picks_stored_points_by_pp_microbatches_costs_and_points():
 def test_against_replans_only_the_points_named(tmp_path, capsys):
     """--points with --against: the stored points named, not all of them (it re-planned every
     stored point before)."""
-    out = tmp_path / "named.csv"
+    out, two = tmp_path / "named.csv", tmp_path / "two.csv"
     assert bench.main(["--against", "--points", "4:4:4,4:5:5", "--costs", "1,1,1,0", "--csv", str(out)]) == 0
     rows = list(bench.csv.DictReader(open(out)))
     assert sorted((r["microbatches"], r["cap"]) for r in rows) == [("4", "4"), ("5", "5")]
     assert "2 stored points" in capsys.readouterr().err
+    # --jobs 2: the same plans, in the same order, from two processes
+    assert bench.main(["--against", "--points", "4:4:4,4:5:5", "--costs", "1,1,1,0", "--jobs", "2", "--csv", str(two)]) == 0
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
+    assert untimed(list(bench.csv.DictReader(open(two)))) == untimed(rows)
     with pytest.raises(SystemExit):
         bench.main(["--against", "--points", "4:4", "--csv", str(out)])
 
