@@ -8,12 +8,14 @@ sets of schedules.py.
 
     python scripts/bench/budget_steps.py [--pp 4,8] [--factors 1,2,4] [--max-m 64] [--high 1.0]
                                          [--costs '2,2.2,1.6,0.05'] [--csv out/budget_steps.csv]
-                                         [--ends 1.2x1.25,1.6x1.5]
+                                         [--ends 1.2x1.25,1.6x1.5] [--jobs 2]
 
 --ends EMB,LOSS gives the first stage (the embedding's) and the last (the output layer's and
 the loss's) unequal costs and activation sizes, as FACTORxSIZE: their F, B and W the per-stage
 costs times FACTOR, their activations SIZE plain ones (both stages sit on rank 0 of the V).
 Caps are then not whole numbers of activations, so the budgets go in quarters of one.
+--jobs N scans N (costs, pp, m) at a time in as many processes: the same rows (each plan's CPU
+time is still its own process's).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Costs, StageCost
 from megatron_vshape.schedule.simulate import one_f_one_b_peak
 from megatron_vshape.schedule.simulate import simulate
+from parallel import check_jobs, in_processes  # scripts/bench/parallel.py, beside this script
 
 COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")
 FIELDS = ("pp", "microbatches", "costs", "cap", "budget", "makespan", "peak", "cpu_s")
@@ -73,6 +76,12 @@ def scan(pp: int, m: int, costs_text: str, high: float, ends: str = ""):
                "makespan": round(sim.makespan, 6), "peak": max(sim.peak_activations), "cpu_s": round(took, 2)}
 
 
+def _scanned(point) -> list:
+    """scan() of one (costs, pp, m, high, ends), whole: the unit --jobs hands a process."""
+    costs, pp, m, high, ends = point
+    return list(scan(pp, m, costs, high, ends))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", default="4,6,8,12,16")
@@ -82,7 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--costs", default=";".join(COST_SETS))
     ap.add_argument("--csv", default="out/budget_steps.csv")
     ap.add_argument("--ends", default="", help="the first and last stage as FACTORxSIZE,FACTORxSIZE (e.g. 1.2x1.25,1.6x1.5)")
+    ap.add_argument("--jobs", type=int, default=1, help="scans run at a time, one process each (the same rows)")
     args = ap.parse_args(argv)
+    check_jobs(ap, args.jobs)
     if not 0 < args.high <= search.MAX_BUDGET:
         ap.error(f"--high {args.high:g} is outside (0, {search.MAX_BUDGET:g}]; give a budget v-auto serves, e.g. 1.0")
     try:
@@ -95,19 +106,18 @@ def main(argv=None) -> int:
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for costs in [c for c in args.costs.split(";") if c]:
-            for pp in ints(args.pp):
-                for m in sorted({min(k * pp, args.max_m) for k in ints(args.factors)}):
-                    rows = list(scan(pp, m, costs, args.high, args.ends))
-                    writer.writerows(rows)
-                    f.flush()
-                    worse = [(a, b) for a, b in zip(rows, rows[1:]) if b["makespan"] > a["makespan"] + 1e-9]
-                    steps += max(0, len(rows) - 1)
-                    slower += worse
-                    times += [r["cpu_s"] for r in rows]
-                    table.append([costs, pp, m, len(rows), " ".join(f"{r['makespan']:g}" for r in rows), len(worse),
-                                  f"{max((r['cpu_s'] for r in rows), default=0):.2f}"])
-                    print(*table[-1], sep="  ", file=sys.stderr, flush=True)
+        points = [(costs, pp, m, args.high, args.ends) for costs in [c for c in args.costs.split(";") if c]
+                  for pp in ints(args.pp) for m in sorted({min(k * pp, args.max_m) for k in ints(args.factors)})]
+        for (costs, pp, m, _, _), rows in zip(points, in_processes(_scanned, points, args.jobs)):
+            writer.writerows(rows)
+            f.flush()
+            worse = [(a, b) for a, b in zip(rows, rows[1:]) if b["makespan"] > a["makespan"] + 1e-9]
+            steps += max(0, len(rows) - 1)
+            slower += worse
+            times += [r["cpu_s"] for r in rows]
+            table.append([costs, pp, m, len(rows), " ".join(f"{r['makespan']:g}" for r in rows), len(worse),
+                          f"{max((r['cpu_s'] for r in rows), default=0):.2f}"])
+            print(*table[-1], sep="  ", file=sys.stderr, flush=True)
     print(format_table(["costs", "pp", "m", "levels", "makespan at each cap, smallest first", "slower", "max cpu s"], table))
     for a, b in slower:
         print(f"slower: pp={a['pp']} m={a['microbatches']} {a['costs']}: cap {a['cap']} -> {b['cap']}: "

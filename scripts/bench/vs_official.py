@@ -43,7 +43,6 @@ import contextlib
 import csv
 import importlib.util
 import io
-import multiprocessing
 import os
 import random
 import sys
@@ -54,6 +53,7 @@ from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import B, F, W, Costs, Op, Placement, Schedule
 from megatron_vshape.schedule.simulate import simulate
+from parallel import check_jobs, in_processes  # scripts/bench/parallel.py, beside this script
 
 COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")  # per rank, as users give them
 FIELDS = ("pp", "microbatches", "costs", "cap", "official", "official_peak", "ours", "ours_peak", "gap", "official_s", "ours_s")
@@ -116,21 +116,6 @@ def _compare_point(point) -> dict:
     return compare(_OFFICIAL, *point)
 
 
-def in_processes(fn, items: List, jobs: int, setup=None, arg=None) -> Iterator:
-    """fn of each item, in the order given: here, or in `jobs` processes that each run
-    setup(arg) first (forked where the platform can: a bench script loaded by path cannot be
-    re-imported by a spawned one)."""
-    if jobs <= 1:
-        if setup:
-            setup(arg)
-        yield from map(fn, items)
-        return
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(jobs, initializer=setup, initargs=(arg,) if setup else ()) as pool:
-        yield from pool.imap(fn, items)
-
-
 def ours_at(row: dict) -> dict:
     """`row` (a point with the official schedule's makespan and peak) with v-auto planned at
     that peak (budget = peak / (2p)) beside it."""
@@ -165,8 +150,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.against and (args.keep or args.new):
         ap.error("--keep and --new are for --official runs; --against re-plans stored points and has nothing to keep")
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs}: give 1 or more processes")
+    check_jobs(ap, args.jobs)
     if args.against:
         with open(args.against, newline="") as f:
             chosen = [row for row in csv.DictReader(f) if _picked(row, args)]

@@ -48,3 +48,17 @@ def test_a_scan_with_heavy_ends_lists_its_slower_steps_and_exits_1_only_then(tmp
 def test_malformed_ends_say_the_form():
     with pytest.raises(SystemExit):
         bench.main(["--ends", "1.2,1.5"])
+
+
+def test_jobs_scan_in_processes_and_give_the_same_rows(tmp_path, capsys):
+    """--jobs 2: each (costs, pp, m) scanned in its own process, the rows and their order the
+    same as one process gives (only the CPU seconds differ)."""
+    one, two = tmp_path / "one.csv", tmp_path / "two.csv"
+    scan = ["--pp", "3,4", "--factors", "1", "--costs", "1,1,1,0;2,2.2,1.6,0.05", "--high", "0.75"]
+    assert bench.main(scan + ["--csv", str(one)]) == bench.main(scan + ["--jobs", "2", "--csv", str(two)])
+    untimed = lambda path: [{k: v for k, v in r.items() if k != "cpu_s"} for r in csv.DictReader(open(path))]  # noqa: E731
+    assert untimed(one) == untimed(two) and len({(r["costs"], r["pp"]) for r in untimed(one)}) == 4
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.main(["--jobs", "0"])
+    assert "--jobs 0" in capsys.readouterr().err
