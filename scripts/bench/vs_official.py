@@ -30,8 +30,8 @@ pick among its points:
 --keep adds an --official run's figures to that file as they come (a point already there keeps
 its row), --new measures only the grid points not stored yet, and --jobs N runs N points at a
 time (with --official each process loads the released scheduler once; with --against it
-re-checks the stored points N times faster).  At pp 10..16 the released scheduler takes 7 to
-30 CPU seconds a point on average (up to 100), a few hundred CPU hours for those rows of the
+re-checks the stored points N times faster).  At pp 10..16 the released scheduler takes 8 to
+35 CPU seconds a point on average (up to 100), a few hundred CPU hours for those rows of the
 grid: a many-core machine completes them, stopped and resumed at will:
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py --pp 10 --new --jobs 64 --keep
