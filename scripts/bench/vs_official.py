@@ -47,7 +47,7 @@ import os
 import random
 import sys
 import time
-from typing import Iterable, Iterator, List, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Set, Tuple
 
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
@@ -216,13 +216,17 @@ def _key(row) -> Tuple[int, int, str, int]:
     return int(row["pp"]), int(row["microbatches"]), row["costs"], int(row["cap"])
 
 
+def _stored(path: str) -> Dict[Tuple[int, int, str, int], dict]:
+    """The rows stored at `path` by point (none if there is no file yet)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, newline="") as f:
+        return {_key(r): r for r in csv.DictReader(f)}
+
+
 def stored_points(path: str = "") -> Set[Tuple[int, int, str, int]]:
     """(pp, microbatches, costs, cap) of every point stored at `path` (default STORED)."""
-    path = path or STORED
-    if not os.path.exists(path):
-        return set()
-    with open(path, newline="") as f:
-        return {_key(r) for r in csv.DictReader(f)}
+    return set(_stored(path or STORED))
 
 
 class Kept:
@@ -251,10 +255,8 @@ def keep(rows, path: str = "") -> int:
     sorted by point; a point already stored keeps its row (the released scheduler is
     deterministic).  Written beside and renamed over, so a run stopped while it writes leaves
     the file whole.  Returns how many were new."""
-    path, stored = path or STORED, {}
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            stored = {_key(r): r for r in csv.DictReader(f)}
+    path = path or STORED
+    stored = _stored(path)
     new = {_key(r): {k: r[k] for k in STORED_FIELDS} for r in rows if _key(r) not in stored}
     stored.update(new)
     os.makedirs(os.path.dirname(path), exist_ok=True)

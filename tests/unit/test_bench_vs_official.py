@@ -117,8 +117,7 @@ def test_against_replans_only_the_points_named(tmp_path, capsys):
     assert "2 stored points" in capsys.readouterr().err
     # --jobs 2: the same plans, in the same order, from two processes
     assert bench.main(["--against", "--points", "4:4:4,4:5:5", "--costs", "1,1,1,0", "--jobs", "2", "--csv", str(two)]) == 0
-    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
-    assert untimed(list(bench.csv.DictReader(open(two)))) == untimed(rows)
+    assert _untimed(_rows(two)) == _untimed(rows)
     with pytest.raises(SystemExit):
         bench.main(["--against", "--points", "4:4", "--csv", str(out)])
 
@@ -145,6 +144,11 @@ def _rows(path):
         return list(bench.csv.DictReader(f))
 
 
+def _untimed(rows):
+    """The rows without their CPU-second columns (all that differs between processes)."""
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
 def test_official_runs_in_processes_resume_with_new_and_keep_as_they_come(tmp_path, monkeypatch, capsys):
     """--jobs 2 measures what one process does, in the same order; --keep stores each point;
     --new then measures only the points not stored.  The replay is checked by a round trip:
@@ -160,8 +164,7 @@ def test_official_runs_in_processes_resume_with_new_and_keep_as_they_come(tmp_pa
     one, two, more = tmp_path / "one.csv", tmp_path / "two.csv", tmp_path / "more.csv"
     assert bench.main(named + ["--csv", str(one)]) == 0
     assert bench.main(named + ["--jobs", "2", "--keep", "--csv", str(two)]) == 0
-    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
-    assert untimed(_rows(one)) == untimed(_rows(two))
+    assert _untimed(_rows(one)) == _untimed(_rows(two))
     assert [(r["microbatches"], r["cap"]) for r in _rows(one)] == [("4", "4"), ("5", "6"), ("6", "8")]
     for row in _rows(one):
         plan = simulate(registry.build("v-min", 4, int(row["microbatches"]), Costs()))
