@@ -53,7 +53,8 @@ from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.ops import B, F, W, Costs, Op, Placement, Schedule
 from megatron_vshape.schedule.simulate import simulate
-from parallel import check_jobs, in_processes  # scripts/bench/parallel.py, beside this script
+import official_memo  # scripts/bench/, beside this script
+from parallel import check_jobs, in_processes
 
 COST_SETS = ("1,1,1,0", "2,2.2,1.6,0.05", "2,2,2,0.25")  # per rank, as users give them
 FIELDS = ("pp", "microbatches", "costs", "cap", "official", "official_peak", "ours", "ours_peak", "gap", "official_s", "ours_s")
@@ -94,26 +95,54 @@ def points(pps, max_m, cost_sets, min_m=1):
                     yield pp, m, costs, cap
 
 
-def compare(official, pp, m, costs_text, cap):
+def measured(official, pp, m, costs_text, cap) -> dict:
+    """The official schedule's makespan and peak at one point, and its CPU seconds."""
     user = Costs.parse(costs_text)
     t = time.process_time()
     theirs = replay(official, pp, m, user.per_stage(2), cap)
     t_off = time.process_time() - t
     sim = simulate(theirs)
-    return ours_at({"pp": pp, "microbatches": m, "costs": costs_text, "cap": cap, "official": round(sim.makespan, 6),
-                    "official_peak": max(sim.peak_activations), "official_s": round(t_off, 2)})
+    return {"pp": pp, "microbatches": m, "costs": costs_text, "cap": cap, "official": round(sim.makespan, 6),
+            "official_peak": max(sim.peak_activations), "official_s": round(t_off, 2)}
 
 
 _OFFICIAL = None  # the released scheduler, loaded once in each --jobs process
+_SHARED = None  # its work shared within a group of points (official_memo.py)
 
 
 def _load_official(path: str) -> None:
-    global _OFFICIAL
+    global _OFFICIAL, _SHARED
     _OFFICIAL = load(path)
+    _SHARED = official_memo.install(_OFFICIAL)
 
 
-def _compare_point(point) -> dict:
-    return compare(_OFFICIAL, *point)
+def _compare_group(group) -> List[dict]:
+    """The points of one (pp, microbatches), caps ascending: the released scheduler's work
+    shared between them, and v-auto planned once for each official peak (caps above what the
+    official schedule holds give the same peak)."""
+    if _SHARED is not None:
+        _SHARED.clear()
+    planned, rows = {}, []
+    for point in group:
+        row = measured(_OFFICIAL, *point)
+        key = (row["costs"], row["official_peak"])
+        if key not in planned:
+            planned[key] = ours_at(row)
+        ours = planned[key]
+        rows.append({**row, "ours": ours["ours"], "ours_peak": ours["ours_peak"],
+                     "gap": ours["ours"] / row["official"] - 1, "ours_s": ours["ours_s"]})
+    return rows
+
+
+def _groups(chosen, grid) -> List[list]:
+    """`chosen` in grid order, split by (pp, microbatches)."""
+    at = {g: k for k, g in enumerate(grid)}
+    groups = []
+    for point in sorted(chosen, key=at.get):
+        if not groups or groups[-1][-1][:2] != point[:2]:
+            groups.append([])
+        groups[-1].append(point)
+    return groups
 
 
 def ours_at(row: dict) -> dict:
@@ -176,12 +205,15 @@ def main(argv=None) -> int:
         grid = [g for g in grid if g not in done]
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {whole} grid points" + (f", {len(grid)} not stored yet" if args.new else ""), file=sys.stderr)
-    rows = in_processes(_compare_point, chosen, args.jobs, _load_official, args.official)
+    groups = in_processes(_compare_group, _groups(chosen, grid), args.jobs, _load_official, args.official)
+    checked = Checked(_stored(STORED))
+    rows = checked.each(row for group in groups for row in group)
     kept = Kept() if args.keep else None
     report(kept.each(rows) if kept else rows, args.csv)
     if kept:
         print(f"kept {kept.new} new points in {kept.path}", file=sys.stderr)
-    return 0
+    print(checked.summary(), file=sys.stderr)
+    return 1 if checked.differ else 0
 
 
 def _sizes(text: str) -> List[int]:
@@ -227,6 +259,34 @@ def _stored(path: str) -> Dict[Tuple[int, int, str, int], dict]:
 def stored_points(path: str = "") -> Set[Tuple[int, int, str, int]]:
     """(pp, microbatches, costs, cap) of every point stored at `path` (default STORED)."""
     return set(_stored(path or STORED))
+
+
+class Checked:
+    """Points measured again that are stored already: their official figures must be the stored
+    ones (the released scheduler is deterministic; official_memo.py shares its work on a reading
+    of its code, which this checks)."""
+
+    def __init__(self, stored: Dict[Tuple[int, int, str, int], dict]):
+        self.stored, self.same, self.differ = stored, 0, []
+
+    def each(self, rows: Iterable[dict]) -> Iterator[dict]:
+        for row in rows:
+            was = self.stored.get(_key(row))
+            if was is not None:
+                if float(was["official"]) == row["official"] and int(was["official_peak"]) == row["official_peak"]:
+                    self.same += 1
+                else:
+                    self.differ.append(row)
+                    print(f"DIFFERS from the stored figures: {_key(row)}: official {row['official']} peak "
+                          f"{row['official_peak']}, stored {was['official']} peak {was['official_peak']}", file=sys.stderr)
+            yield row
+
+    def summary(self) -> str:
+        if self.differ:
+            return f"{len(self.differ)} of {self.same + len(self.differ)} points stored already have other official figures now"
+        if not self.same:
+            return "no point measured was stored already (nothing to check the official figures against)"
+        return f"{self.same} points measured were stored already: the same official figures"
 
 
 class Kept:

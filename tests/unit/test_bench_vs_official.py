@@ -177,6 +177,15 @@ def test_official_runs_in_processes_resume_with_new_and_keep_as_they_come(tmp_pa
     assert [(r["microbatches"], r["cap"]) for r in _rows(more)] == [("5", "5")]
     assert "1 of 4 grid points, 1 not stored yet" in capsys.readouterr().err
     assert len(bench.stored_points()) == 4 and not os.path.exists(str(stored) + ".new")
+    rows = _rows(stored)  # a stored figure that the scheduler does not give
+    rows[1]["official"] = "999.0"
+    with open(stored, "w", newline="") as f:
+        writer = bench.csv.DictWriter(f, fieldnames=bench.STORED_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert bench.main(named + ["--csv", str(more)]) == 1
+    err = capsys.readouterr().err
+    assert "DIFFERS from the stored figures: (4, 5, '1,1,1,0', 5)" in err and "1 of 4 points stored already" in err
 
 
 def test_kept_stores_every_batch_and_what_a_stopped_run_measured(tmp_path):
@@ -200,3 +209,54 @@ def test_jobs_and_new_are_checked_before_anything_runs(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--official", "no/such/v_auto_schedule.py", "--pp", "4", "--max-m", "4"])
     assert "no such file" in capsys.readouterr().err
+
+
+# A stand-in shaped like the released file where official_memo.py hooks in: schedule() builds
+# each block under M = min(2p, max_mem), and scores the ones that fit.
+STRUCTURED = '''
+built = []
+
+def schedule_by_building_block(p, m, block, max_mem, keep_stable_phase=False):
+    built.append((tuple(block[0]), max_mem))
+    peak = sum(block[0])
+    if peak > max_mem:
+        return None, peak, [6 * m] * p
+    extra = 1 if m <= p and 2 * m <= max_mem else 0  # the warm-up rule: W's released
+    return [["F"] * (block[0][0] * m + extra)], peak, [0] * p
+
+def evaluate_schedule(schedule, f, b, w, c):
+    return len(schedule[0]) * f + c
+
+def schedule(p, m, cost, max_mem):
+    best = None
+    for block in ((1, 1), (2, 1), (1, 3), (3, 3)):
+        s, peak, _ = schedule_by_building_block(p, m, [list(block)], min(2 * p, max_mem))
+        if s is not None:
+            score = evaluate_schedule(s, *cost)
+            best = best if best is not None and best[0] <= score else (score, peak, len(s[0]))
+    return best
+'''
+
+
+def test_the_released_schedulers_work_is_shared_across_caps_and_costs_with_the_same_answers(tmp_path):
+    """official_memo: a block's schedule is built once for every cap at or above the first
+    that fits it (and again where the warm-up rule changes), scored once per cost set, and
+    every answer is the unshared module's."""
+    path = tmp_path / "structured.py"
+    path.write_text(STRUCTURED)
+    plain, mine = bench.load(str(path)), bench.load(str(path))
+    shared = bench.official_memo.install(mine)
+    for m in (2, 6):  # m <= p: the warm-up rule turns on at M = 2m = 4
+        shared.clear()
+        mine.built.clear()
+        for cost in ((1, 1, 1, 0), (2, 1, 1, 0.5)):
+            for cap in range(2, 9):
+                assert mine.schedule(4, m, cost, cap) == plain.schedule(4, m, cost, cap)
+        first = {(1, 1): 2, (2, 1): 3, (1, 3): 4, (3, 3): 6}  # the least cap that fits each block
+        again = {(1, 1), (2, 1)} if m == 2 else set()  # fit below M = 4, built again there
+        assert sorted(mine.built) == sorted([(b, M) for b, at in first.items() for M in range(2, at + 1)]
+                                            + [(b, 4) for b in again])
+    assert bench.official_memo.install(bench.load(str(tmp_path / "structured.py"))).calls == 0
+    stand_in = tmp_path / "plain.py"
+    stand_in.write_text(STAND_IN)
+    assert bench.official_memo.install(bench.load(str(stand_in))) is None  # another file: runs as it is
