@@ -10,9 +10,11 @@ backward; f/b/w go up), simulated, and v-auto is planned at the official schedul
 where v-auto's makespan is longer.
 
 Grid: pp 4..16, microbatches p..8p, the three cost sets of schedules.py, every cap from V-Min's
-to 2p (--costs gives others).  It is too large to run whole in one go (the official scheduler
-takes seconds to minutes a point), so --sample N draws N points uniformly from it with --seed;
---pp, --min-m, --max-m and --points restrict it.
+to 2p (--costs gives others): 39,417 points.  Points are measured a (pp, microbatches) at a time,
+the released scheduler's work shared between their caps and cost sets (official_memo.py: under
+a CPU second a point at pp 10..16, where it took 8-35 s alone) and v-auto planned once for each
+official peak; v-auto's planning is then most of the time.  --sample N draws N points uniformly
+with --seed; --pp, --min-m, --max-m and --points restrict the grid.
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py [--sample 60] [--seed 1]
                                         [--pp 4,5,...] [--min-m 33] [--max-m 64] [--points 10:23:18,...]
@@ -28,11 +30,12 @@ pick among its points:
     python scripts/bench/vs_official.py --against out/vs_official.csv --csv out/after.csv
 
 --keep adds an --official run's figures to that file as they come (a point already there keeps
-its row), --new measures only the grid points not stored yet, and --jobs N runs N points at a
-time (with --official each process loads the released scheduler once; with --against it
-re-checks the stored points N times faster).  At pp 10..16 the released scheduler takes 8 to
-35 CPU seconds a point on average (up to 100), a few hundred CPU hours for those rows of the
-grid: a many-core machine completes them, stopped and resumed at will:
+its row), --new measures only the grid points not stored yet, and --jobs N runs N processes
+(with --official each loads the released scheduler once and takes a (pp, microbatches) at a
+time; with --against it re-checks the stored points N times faster).  A point measured that is stored already is
+checked against its stored figures (DIFFERS, and exit 1, if the released scheduler now gives
+others).  The rest of the grid is a few CPU seconds a point: a many-core machine completes it,
+stopped and resumed at will:
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py --pp 10 --new --jobs 64 --keep
 """
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true",
                     help=f"add this --official run's figures to {os.path.relpath(STORED)} as they come")
     ap.add_argument("--new", action="store_true", help="with --official: only the grid points not stored yet")
-    ap.add_argument("--jobs", type=int, default=1, help="points measured or re-planned at a time, one process each")
+    ap.add_argument("--jobs", type=int, default=1, help="processes: with --official each measures a (pp, microbatches) at a time, with --against a point")
     ap.add_argument("--pp", type=_sizes, help="pipeline sizes, comma-separated (default: 4..16)")
     ap.add_argument("--max-m", type=int, help="largest microbatch count (default 128; the grid goes to 8p)")
     ap.add_argument("--costs", help="cost sets separated by ';' (default: the three of schedules.py)")
