@@ -32,10 +32,10 @@ pick among its points:
 --keep adds an --official run's figures to that file as they come (a point already there keeps
 its row), --new measures only the grid points not stored yet, and --jobs N runs N processes
 (with --official each loads the released scheduler once and takes a (pp, microbatches) at a
-time; with --against it re-checks the stored points N times faster).  A point measured that is stored already is
-checked against its stored figures (DIFFERS, and exit 1, if the released scheduler now gives
-others).  The rest of the grid is a few CPU seconds a point: a many-core machine completes it,
-stopped and resumed at will:
+time; with --against it re-checks the stored points N times faster).  A point measured that is
+stored already is checked against its stored figures (DIFFERS, and exit 1, if the released
+scheduler now gives others).  The rest of the grid is a few CPU seconds a point: a many-core
+machine completes it, stopped and resumed at will:
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py --pp 10 --new --jobs 64 --keep
 """
@@ -120,9 +120,10 @@ def _load_official(path: str) -> None:
 
 
 def _compare_group(group) -> List[dict]:
-    """The points of one (pp, microbatches), caps ascending: the released scheduler's work
-    shared between them, and v-auto planned once for each official peak (caps above what the
-    official schedule holds give the same peak)."""
+    """The points of one (pp, microbatches) in grid order (each cost set's caps ascending): the
+    released scheduler's work shared between them, and v-auto planned once for each official
+    peak (caps above what the official schedule holds give the same peak; such rows repeat the
+    one plan's CPU seconds)."""
     if _SHARED is not None:
         _SHARED.clear()
     planned, rows = {}, []
