@@ -26,10 +26,9 @@ class Shared:
     (the originals do the work).  `clear()` between groups of points bounds the memory."""
 
     def __init__(self, module):
-        self.module = module
         self.build, self.evaluate = module.schedule_by_building_block, module.evaluate_schedule
         module.schedule_by_building_block, module.evaluate_schedule = self._build, self._evaluate
-        self.calls = self.built = 0
+        self.calls = 0
         self.clear()
 
     def clear(self) -> None:
@@ -44,7 +43,6 @@ class Shared:
         if got is None:
             got = next((r for at, r in self.schedules.get(key, ()) if at <= max_mem), None)
         if got is None:
-            self.built += 1
             got = self.build(p, m, building_block, max_mem, keep_stable_phase)
             if got[0] is not None:
                 self.schedules.setdefault(key, []).append((max_mem, got))

@@ -203,14 +203,13 @@ def main(argv=None) -> int:
             return 2
     if not os.path.isfile(args.official):
         ap.error(f"--official {args.official}: no such file (give the path of the released v_auto_schedule.py)")
-    whole = len(grid)
+    whole, stored = len(grid), _stored(STORED)
     if args.new:
-        done = stored_points()
-        grid = [g for g in grid if g not in done]
+        grid = [g for g in grid if g not in stored]
     chosen = random.Random(args.seed).sample(grid, args.sample) if 0 < args.sample < len(grid) else grid
     print(f"{len(chosen)} of {whole} grid points" + (f", {len(grid)} not stored yet" if args.new else ""), file=sys.stderr)
     groups = in_processes(_compare_group, _groups(chosen, grid), args.jobs, _load_official, args.official)
-    checked = Checked(_stored(STORED))
+    checked = Checked(stored)
     rows = checked.each(row for group in groups for row in group)
     kept = Kept() if args.keep else None
     report(kept.each(rows) if kept else rows, args.csv)
