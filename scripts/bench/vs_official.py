@@ -38,6 +38,12 @@ scheduler now gives others).  The rest of the grid is a few CPU seconds a point:
 machine completes it, stopped and resumed at will:
 
     python scripts/bench/vs_official.py --official PATH/v_auto_schedule.py --pp 10 --new --jobs 64 --keep
+
+Every run ends with a table by pipeline size and cost family (how much of the grid it covers,
+worse, equal, better, worst and mean gap): docs/planner.md's table is that of `--against` over
+every stored point.  --table prints it again from runs' CSVs, without planning:
+
+    python scripts/bench/vs_official.py --table out/pp4.csv out/pp5.csv [--pp 4]
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ import os
 import random
 import sys
 import time
-from typing import Dict, Iterable, Iterator, List, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple
 
 from megatron_vshape.planner import search
 from megatron_vshape.schedule import registry
@@ -180,7 +186,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--csv", default="out/vs_official.csv")
     ap.add_argument("--points", type=_triples, help="only these grid points, PP:M:CAP separated by commas (e.g. 10:23:18)")
+    ap.add_argument("--table", nargs="+", metavar="CSV",
+                    help="only print the table of earlier runs' CSVs (their --csv; a point in several: the last file's row)")
     args = ap.parse_args(argv)
+    if args.table:
+        rows: Dict[Tuple[int, int, str, int], dict] = {}
+        for path in args.table:
+            with open(path, newline="") as f:
+                rows.update((_key(r), r) for r in csv.DictReader(f) if r.get("ours") and _picked(r, args))
+        if not rows:
+            ap.error(f"--table {' '.join(args.table)}: no row with v-auto's figures (give the --csv of an --official or --against run)")
+        print(table(list(rows.values())))
+        return 0
     if args.against and (args.keep or args.new):
         ap.error("--keep and --new are for --official runs; --against re-plans stored points and has nothing to keep")
     check_jobs(ap, args.jobs)
@@ -348,7 +365,34 @@ def report(results, path: str) -> List[dict]:
     equal = [r for r in rows if abs(r["gap"]) <= 1e-9]
     print(f"\npoints {len(rows)}  worse {len(worse)}  equal {len(equal)}  better {len(rows) - len(worse) - len(equal)}  "
           f"worst gap {max((r['gap'] for r in rows), default=0):+.3%}  mean {sum(r['gap'] for r in rows) / max(1, len(rows)):+.3%}")
+    if rows:
+        print("\n" + table(rows))
     return rows
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The rows by pipeline size and cost family (schedules.py's three sets, then the others
+    measured), as a markdown table: how much of that part of the grid they cover (the grid at
+    that pp with the family's cost sets), and how v-auto fares.  docs/planner.md quotes it."""
+    others = sorted({r["costs"] for r in rows} - set(COST_SETS))
+    families = [("the three", list(COST_SETS))] + ([(f"{len(others)} others", others)] if others else [])
+    lines = ["| pp | cost sets | points | of the grid | worse | equal | better | worst gap | mean gap |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, sets in families + [("all", None)]:
+        for pp in sorted({int(r["pp"]) for r in rows}) if sets else [None]:
+            part = [r for r in rows if (sets is None or r["costs"] in sets) and (pp is None or int(r["pp"]) == pp)]
+            if not part:
+                continue
+            gaps = [float(r["ours"]) / float(r["official"]) - 1 for r in part]
+            worse, equal = sum(g > 1e-9 for g in gaps), sum(abs(g) <= 1e-9 for g in gaps)
+            if pp is None:
+                cover = ""
+            else:
+                grid = sum(1 for _ in points([pp], 128, sets))
+                cover = "every point" if len({_key(r) for r in part}) == grid else f"{len(part) / grid:.1%} of {grid:,}"
+            lines.append(f"| {pp if pp is not None else 'all'} | {name} | {len(part):,} | {cover} | {worse:,} | {equal:,} | "
+                         f"{len(part) - worse - equal:,} | {max(gaps):+.2%} | {sum(gaps) / len(gaps):+.2%} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

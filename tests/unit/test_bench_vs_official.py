@@ -260,3 +260,41 @@ def test_the_released_schedulers_work_is_shared_across_caps_and_costs_with_the_s
     stand_in = tmp_path / "plain.py"
     stand_in.write_text(STAND_IN)
     assert bench.official_memo.install(bench.load(str(stand_in))) is None  # another file: runs as it is
+
+
+def _table_rows(pp, costs, gap_of):
+    """A row for every grid point of `pp` with `costs`, v-auto's makespan given by gap_of(m, cap)."""
+    return [{"pp": p, "microbatches": m, "costs": c, "cap": cap, "official": 100.0, "official_peak": cap,
+             "ours": 100.0 * (1 + gap_of(m, cap)), "ours_peak": cap}
+            for p, m, c, cap in bench.points([pp], 128, [costs])]
+
+
+def test_the_table_counts_each_part_and_how_much_of_its_grid_it_covers(tmp_path, capsys):
+    """One line per (pp, cost family): pp=4 with all three sets is 'every point'; pp=5 with one
+    set is a third of the three sets' grid; another cost set is its own family, whose grid at a
+    pp is that of the sets measured; worse/equal/better and the gaps from ours / official."""
+    three = [r for c in bench.COST_SETS for r in _table_rows(4, c, lambda m, cap: 0.0 if cap % 2 else -0.01)]
+    three[0]["ours"] = 102.0  # one point worse, by 2%
+    part = _table_rows(5, "1,1,1,0", lambda m, cap: 0.0)
+    other = _table_rows(4, "1,2,1,0.5", lambda m, cap: -0.05)
+    lines = bench.table(three + part + other).splitlines()
+    by = {tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line for line in lines[2:]}
+    cells = lambda key: [cell.strip() for cell in by[key].strip("|").split("|")]
+    odd = sum(1 for r in three[1:] if r["cap"] % 2)  # the equal ones (the first is worse)
+    assert cells(("4", "the three")) == ["4", "the three", f"{len(three):,}", "every point", "1", f"{odd:,}",
+                                         f"{len(three) - odd - 1:,}", "+2.00%", f"{(0.02 - 0.01 * (len(three) - odd - 1)) / len(three):+.2%}"]
+    assert cells(("5", "the three"))[2:4] == [f"{len(part):,}", f"{1 / 3:.1%} of {3 * len(part):,}"]
+    assert cells(("4", "1 others"))[2:] == [f"{len(other):,}", "every point", "0", "0", f"{len(other):,}", "-5.00%", "-5.00%"]
+    assert cells(("all", "all"))[2] == f"{len(three) + len(part) + len(other):,}"
+    # --table: the same table from runs' CSVs, a point in both files counted once (the last file's row)
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    for path, rows in ((first, three + part), (second, other + three[:1])):
+        with open(path, "w", newline="") as f:
+            writer = bench.csv.DictWriter(f, fieldnames=bench.FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    capsys.readouterr()
+    assert bench.main(["--table", str(first), str(second)]) == 0
+    assert capsys.readouterr().out.strip() == "\n".join(lines)
+    assert bench.main(["--table", str(first), "--pp", "5"]) == 0
+    assert [line.split("|")[1].strip() for line in capsys.readouterr().out.strip().splitlines()[2:]] == ["5", "all"]
