@@ -41,7 +41,8 @@ machine completes it, stopped and resumed at will:
 
 Every run ends with a table by pipeline size and cost family (how much of the grid it covers,
 worse, equal, better, worst and mean gap): docs/planner.md's table is that of `--against` over
-every stored point.  --table prints it again from runs' CSVs, without planning:
+every stored point.  --table prints it again from runs' CSVs, without planning, then the
+points where v-auto is longer (exit 1 if any):
 
     python scripts/bench/vs_official.py --table out/pp4.csv out/pp5.csv [--pp 4]
 """
@@ -215,7 +216,10 @@ def main(argv=None) -> int:
         if not rows:
             ap.error(f"--table {' '.join(args.table)}: no row with v-auto's figures (give the --csv of an --official or --against run)")
         print(table(list(rows.values())))
-        return 0
+        worse = [r for r in rows.values() if float(r["ours"]) > float(r["official"]) + 1e-9]
+        for r in worse:  # the points to look at, as --points names them
+            print(f"WORSE {r['pp']}:{r['microbatches']}:{r['cap']} costs {r['costs']}: ours {r['ours']}, official {r['official']}")
+        return 1 if worse else 0
     if args.against and (args.keep or args.new):
         ap.error("--keep and --new are for --official runs; --against re-plans stored points and has nothing to keep")
     check_jobs(ap, args.jobs)

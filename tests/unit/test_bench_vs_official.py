@@ -294,7 +294,8 @@ def test_the_table_counts_each_part_and_how_much_of_its_grid_it_covers(tmp_path,
             writer.writeheader()
             writer.writerows(rows)
     capsys.readouterr()
-    assert bench.main(["--table", str(first), str(second)]) == 0
-    assert capsys.readouterr().out.strip() == "\n".join(lines)
-    assert bench.main(["--table", str(first), "--pp", "5"]) == 0
+    assert bench.main(["--table", str(first), str(second)]) == 1  # a point is worse: listed, exit 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[:-1] == lines and out[-1] == f"WORSE 4:4:4 costs {bench.COST_SETS[0]}: ours 102.0, official 100.0"
+    assert bench.main(["--table", str(first), "--pp", "5"]) == 0  # none worse at pp=5
     assert [line.split("|")[1].strip() for line in capsys.readouterr().out.strip().splitlines()[2:]] == ["5", "all"]
