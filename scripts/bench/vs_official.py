@@ -146,30 +146,25 @@ def _compare_group(group) -> List[dict]:
     return rows
 
 
+def _by_run(items: Iterable, run=lambda row: (int(row["pp"]), int(row["microbatches"]))) -> List[list]:
+    """`items` split by run(item), the (pp, microbatches) of a row by default: each part in the
+    order its items came, the parts in the order of their first item."""
+    parts: Dict[Tuple[int, int], list] = {}
+    for item in items:
+        parts.setdefault(run(item), []).append(item)
+    return list(parts.values())
+
+
 def _groups(chosen, grid) -> List[list]:
-    """`chosen` in grid order, split by (pp, microbatches)."""
+    """`chosen` (grid points) in grid order, split by (pp, microbatches)."""
     at = {g: k for k, g in enumerate(grid)}
-    groups = []
-    for point in sorted(chosen, key=at.get):
-        if not groups or groups[-1][-1][:2] != point[:2]:
-            groups.append([])
-        groups[-1].append(point)
-    return groups
+    return _by_run(sorted(chosen, key=at.get), run=lambda point: point[:2])
 
 
 def _replanned(rows: List[dict]) -> List[dict]:
     """ours_at() of stored rows of one (pp, microbatches), the named plans built once for them."""
     search._plan.cache_clear()
     return [ours_at(row) for row in rows]
-
-
-def _by_run(rows: Sequence[dict]) -> List[List[dict]]:
-    """`rows` split by (pp, microbatches), each part in the order its rows came, the parts in
-    the order of their first row."""
-    parts: Dict[Tuple[int, int], List[dict]] = {}
-    for row in rows:
-        parts.setdefault((int(row["pp"]), int(row["microbatches"])), []).append(row)
-    return list(parts.values())
 
 
 def ours_at(row: dict) -> dict:
@@ -216,7 +211,7 @@ def main(argv=None) -> int:
         if not rows:
             ap.error(f"--table {' '.join(args.table)}: no row with v-auto's figures (give the --csv of an --official or --against run)")
         print(table(list(rows.values())))
-        worse = [r for r in rows.values() if float(r["ours"]) > float(r["official"]) + 1e-9]
+        worse = [r for r in rows.values() if _gap(r) > 1e-9]  # what table() counts as worse
         for r in worse:  # the points to look at, as --points names them
             print(f"WORSE {r['pp']}:{r['microbatches']}:{r['cap']} costs {r['costs']}: ours {r['ours']}, official {r['official']}")
         return 1 if worse else 0
@@ -393,6 +388,11 @@ def report(results, path: str) -> List[dict]:
     return rows
 
 
+def _gap(row: dict) -> float:
+    """ours / official - 1 of a row, from its figures (a CSV row holds them as text)."""
+    return float(row["ours"]) / float(row["official"]) - 1
+
+
 def table(rows: Sequence[dict]) -> str:
     """The rows by pipeline size and cost family (schedules.py's three sets, then the others
     measured), as a markdown table: how much of that part of the grid they cover (the grid at
@@ -406,7 +406,7 @@ def table(rows: Sequence[dict]) -> str:
             part = [r for r in rows if (sets is None or r["costs"] in sets) and (pp is None or int(r["pp"]) == pp)]
             if not part:
                 continue
-            gaps = [float(r["ours"]) / float(r["official"]) - 1 for r in part]
+            gaps = [_gap(r) for r in part]
             worse, equal = sum(g > 1e-9 for g in gaps), sum(abs(g) <= 1e-9 for g in gaps)
             if pp is None:
                 cover = ""
