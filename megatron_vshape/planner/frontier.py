@@ -5,7 +5,8 @@ matplotlib when it is installed).
 
 Each step's figure is the best schedule found at that budget or any smaller one (a
 schedule that fits a smaller budget fits this one too), so the curve never rises; once it
-reaches the problem's lower bound (search.lower_bound) the larger budgets are not planned.
+reaches the problem's lower bound the larger budgets are not planned (choose.v_auto_steps, which
+`--pipeline-schedule auto` weighs too).
 
 With the model's shape (`balanced`), a second series beside the even split's: at every budget the
 layout and plan that the balance search of `--pipeline-balance auto` picks (schedule/balance.py),
@@ -29,7 +30,8 @@ from ..schedule.errors import ConfigError
 from ..schedule.layout import even_split
 from ..schedule.ops import Costs, Placement, StageCost
 from ..schedule.simulate import simulate
-from .search import budget_steps, lower_bound
+from .choose import v_auto_steps
+from .search import budget_steps
 
 BASELINES = ("1f1b", "1f1b-interleaved", "zb-h1", "zb-h2")
 
@@ -63,19 +65,8 @@ def _check_served(pp: int, microbatches: int, points: Sequence[Point]) -> None:
 
 
 def _points(pp: int, microbatches: int, costs: Optional[Costs], stage_costs: Optional[Sequence[StageCost]]) -> List[Point]:
-    points: List[Point] = []
-    best, bound = None, None
-    for _, budget in budget_steps(pp, microbatches):
-        if best is None or best.makespan > bound * (1 + 1e-9):  # once at the lower bound, nothing is shorter
-            try:
-                s = registry.build("v-auto", pp, microbatches, costs, stage_costs=stage_costs, memory_budget=budget)
-            except ConfigError:
-                continue
-            sim = simulate(s)
-            bound = lower_bound(s) if bound is None else bound  # the same at every budget
-            if best is None or sim.makespan < best.makespan - 1e-9:
-                best = Point("v-auto", budget, max(sim.peak_vs_1f1b), sim.makespan, sim.bubble_rate)
-        points.append(Point("v-auto", budget, best.peak_vs_1f1b, best.makespan, best.bubble_rate))
+    points = [Point("v-auto", budget, max(sim.peak_vs_1f1b), sim.makespan, sim.bubble_rate)
+              for budget, _, sim in v_auto_steps(pp, microbatches, costs, stage_costs)]
     for name in BASELINES:
         try:
             s = registry.build(name, pp, microbatches, costs, stage_costs=stage_costs)

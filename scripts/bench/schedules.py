@@ -83,20 +83,27 @@ def timing() -> None:
     this process's own cost (on a shared machine the wall clock also counts other work).  The
     machine's speed is measured before and after, since a shared machine's speed drifts."""
     from megatron_vshape.planner import search
+    from megatron_vshape.planner.choose import fastest_within
 
     before = machine_speed()
     print("\nplanning time (build + verify, CPU seconds, one core; wall in brackets), costs 2,2.2,1.6,0.05:")
-    names = ["v-min", "v-half", "v-zb", "v-auto@0.7", "v-auto@0.9", "v-auto@1.5"]
+    names = ["v-min", "v-half", "v-zb", "v-auto@0.7", "v-auto@0.9", "v-auto@1.5", "auto@1.0"]
     table = []
     for pp, m in TIMING_SIZES:
         cells = [pp, m]
         for label in names:
             name, _, budget = label.partition("@")
             options = {"memory_budget": float(budget)} if budget else {}
+            if name == "auto" and pp > 16:
+                cells.append("-")  # 41 budget steps, one v-auto search each: minutes
+                continue
             search._plan.cache_clear()
             cpu, wall = time.process_time(), time.perf_counter()
             try:
-                registry.build(name, pp, m, Costs(2, 2.2, 1.6, 0.05), **options)
+                if name == "auto":  # --pipeline-schedule auto: every schedule, v-auto at each budget step
+                    fastest_within(pp, m, Costs(2, 2.2, 1.6, 0.05), float(budget))
+                else:
+                    registry.build(name, pp, m, Costs(2, 2.2, 1.6, 0.05), **options)
                 cells.append(f"{time.process_time() - cpu:.2f} ({time.perf_counter() - wall:.1f})")
             except ConfigError as exc:
                 cells.append("cannot serve: " + str(exc).splitlines()[0][:40])

@@ -264,13 +264,29 @@ def test_fastest_within_names_the_fastest_fitting_schedule():
     best, reason = fastest_within(4, 16, SKEWED, 1.0)
     fitting = []
     for name in registry.names():
-        options = {"memory_budget": 1.0} if name == "v-auto" else {}
-        sim = simulate(registry.build(name, 4, 16, SKEWED, **options))
-        if max(sim.peak_vs_1f1b) <= 1.0:
-            fitting.append(sim.makespan)
+        budgets = [b for _, b in search.budget_steps(4, 16, 1.0)] if name == "v-auto" else [None]
+        for b in budgets:  # v-auto at every step up to the budget: each plan fits it
+            sim = simulate(registry.build(name, 4, 16, SKEWED, **({"memory_budget": b} if b else {})))
+            if max(sim.peak_vs_1f1b) <= 1.0:
+                fitting.append(sim.makespan)
     assert simulate(best).makespan == min(fitting) and best.name in reason
     with pytest.raises(ConfigError, match="no schedule fits --memory-budget 0.1"):
         fastest_within(4, 16, SKEWED, 0.1)
+
+
+def test_fastest_within_weighs_v_auto_at_the_steps_below_the_budget():
+    """v-auto's own search at pp=6, m=24, 2,2,2,0.25 ends longer at cap 16 than at cap 15
+    (`budget_steps.py --pp 6 --factors 4 --costs 2,2,2,0.25 --high 2.0` lists it): each budget is
+    its own search.  The choice at cap 16's budget weighs cap 15's plan, which fits it too, so it
+    is not slower (what --pipeline-schedule auto and compare --memory-budget run)."""
+    low, high = 15 / 12, 16 / 12
+    own = [simulate(registry.build("v-auto", 6, 24, HOP, memory_budget=b)).makespan for b in (low, high)]
+    assert own[1] > own[0], f"v-auto is no longer slower a step up here ({own}): pick a step budget_steps.py lists"
+    at_low, _ = fastest_within(6, 24, HOP, low)
+    at_high, why = fastest_within(6, 24, HOP, high)
+    assert simulate(at_low).makespan == own[0]
+    assert simulate(at_high).makespan == own[0] and at_high.memory_budget == low
+    assert "planned at budget 1.25, shorter than at 1.33333 itself" in why
 
 
 def test_frontier_never_rises_and_has_the_baselines(tmp_path):
