@@ -16,6 +16,10 @@ costs times FACTOR, their activations SIZE plain ones (both stages sit on rank 0
 Caps are then not whole numbers of activations, so the budgets go in quarters of one.
 --jobs N scans N (costs, pp, m) at a time in as many processes: the same rows (each plan's CPU
 time is still its own process's).
+
+--auto scans what `--pipeline-schedule auto` and `compare --memory-budget` pick at each level
+instead (choose.fastest_within: every schedule, v-auto at each budget step up to the level): one
+plan cache per (costs, pp, m), so a level's CPU time is only the plans it adds.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import List, Optional, Tuple
 
 from megatron_vshape.cli import format_table
 from megatron_vshape.planner import search
+from megatron_vshape.planner.choose import fastest_within
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.errors import ConfigError
 from megatron_vshape.schedule.ops import Costs, StageCost
@@ -59,15 +64,21 @@ def levels(pp: int, m: int, high: float, fractional: bool) -> List[Tuple[float, 
     return [(low * unit + k / 4, low + k / (4 * unit)) for k in range(int((high - low) * unit * 4 + 1e-9) + 1)]
 
 
-def scan(pp: int, m: int, costs_text: str, high: float, ends: str = ""):
-    """One row per cap level: the plan at the smallest budget giving it, built cold."""
+def scan(pp: int, m: int, costs_text: str, high: float, ends: str = "", auto: bool = False):
+    """One row per cap level: the plan at the smallest budget giving it, built cold (with `auto`,
+    what fastest_within picks there, the cache kept across the scan's levels)."""
     costs = Costs.parse(costs_text)
     stage_costs = heavy_ends(pp, costs, ends)
+    search._plan.cache_clear()
     for cap, budget in levels(pp, m, high, stage_costs is not None):
-        search._plan.cache_clear()
+        if not auto:
+            search._plan.cache_clear()
         t = time.process_time()
         try:
-            s = registry.build("v-auto", pp, m, costs, memory_budget=budget, stage_costs=stage_costs)
+            if auto:
+                s, _ = fastest_within(pp, m, costs, budget, stage_costs)
+            else:
+                s = registry.build("v-auto", pp, m, costs, memory_budget=budget, stage_costs=stage_costs)
         except ConfigError:
             continue  # too few microbatches for this cap
         took = time.process_time() - t
@@ -78,8 +89,8 @@ def scan(pp: int, m: int, costs_text: str, high: float, ends: str = ""):
 
 def _scanned(point) -> list:
     """scan() of one (costs, pp, m, high, ends), whole: the unit --jobs hands a process."""
-    costs, pp, m, high, ends = point
-    return list(scan(pp, m, costs, high, ends))
+    costs, pp, m, high, ends, auto = point
+    return list(scan(pp, m, costs, high, ends, auto))
 
 
 def main(argv=None) -> int:
@@ -92,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default="out/budget_steps.csv")
     ap.add_argument("--ends", default="", help="the first and last stage as FACTORxSIZE,FACTORxSIZE (e.g. 1.2x1.25,1.6x1.5)")
     ap.add_argument("--jobs", type=int, default=1, help="scans run at a time, one process each (the same rows)")
+    ap.add_argument("--auto", action="store_true", help="scan what --pipeline-schedule auto picks, not v-auto alone")
     args = ap.parse_args(argv)
     check_jobs(ap, args.jobs)
     if not 0 < args.high <= search.MAX_BUDGET:
@@ -106,9 +118,9 @@ def main(argv=None) -> int:
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        points = [(costs, pp, m, args.high, args.ends) for costs in [c for c in args.costs.split(";") if c]
+        points = [(costs, pp, m, args.high, args.ends, args.auto) for costs in [c for c in args.costs.split(";") if c]
                   for pp in ints(args.pp) for m in sorted({min(k * pp, args.max_m) for k in ints(args.factors)})]
-        for (costs, pp, m, _, _), rows in zip(points, in_processes(_scanned, points, args.jobs)):
+        for (costs, pp, m, _, _, _), rows in zip(points, in_processes(_scanned, points, args.jobs)):
             writer.writerows(rows)
             f.flush()
             worse = [(a, b) for a, b in zip(rows, rows[1:]) if b["makespan"] > a["makespan"] + 1e-9]

@@ -62,3 +62,17 @@ def test_jobs_scan_in_processes_and_give_the_same_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--jobs", "0"])
     assert "--jobs 0" in capsys.readouterr().err
+
+
+def test_auto_scans_what_fastest_within_picks_never_longer_and_never_rising(tmp_path, capsys):
+    """--auto: at each level the choice of --pipeline-schedule auto, no longer than v-auto's own
+    plan there and never longer than at the level below (exit 0)."""
+    alone, auto = tmp_path / "alone.csv", tmp_path / "auto.csv"
+    scan = ["--pp", "4", "--factors", "2", "--costs", "2,2,2,0.25", "--high", "1.0"]
+    bench.main(scan + ["--csv", str(alone)])
+    assert bench.main(scan + ["--auto", "--csv", str(auto)]) == 0
+    own, picked = list(csv.DictReader(open(alone))), list(csv.DictReader(open(auto)))
+    assert [r["cap"] for r in own] == [r["cap"] for r in picked] and len(picked) == 5
+    assert all(float(b["makespan"]) <= float(a["makespan"]) + 1e-9 for a, b in zip(own, picked))
+    assert all(float(b["makespan"]) <= float(a["makespan"]) + 1e-9 for a, b in zip(picked, picked[1:]))
+    assert "4 steps, 0 slower" in capsys.readouterr().out
