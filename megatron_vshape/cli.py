@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .argtypes import EXIT_CONFIG_ERROR, EXIT_RUN_ERROR, Parser, check_output_paths, fail, output_path, \
     positive_int, quiet_megatron_notices
@@ -104,14 +104,41 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
+AUTO = "auto"  # plan/export --schedule auto: what --pipeline-schedule auto runs
+
+
+def _built(args: argparse.Namespace) -> Tuple[Schedule, Optional[str]]:
+    """--schedule NAME built with the options given; `auto` is the schedule --pipeline-schedule auto
+    runs at --memory-budget (choose.fastest_within: v-auto weighed at every budget step up to it,
+    so a larger budget is never slower), with the reason it was chosen."""
+    if args.schedule != AUTO:
+        return registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args)), None
+    if args.memory_budget is None:
+        raise ConfigError("--schedule auto picks the fastest schedule within --memory-budget X: give X (activation "
+                          "memory as a fraction of 1F1B's, e.g. 0.6)")
+    given = [flag for flag, v in (("--chunks", args.chunks), ("--group", args.group), ("--model", getattr(args, "model", None)),
+                                  ("--optimal", getattr(args, "optimal", False))) if v]
+    if given:
+        raise ConfigError(f"--schedule auto picks the schedule and its options itself; unset {', '.join(given)} "
+                          "or name a schedule")
+    from .planner.choose import fastest_within
+    from .schedule.stage_costs import load
+
+    stage_costs = load(args.stage_costs) if args.stage_costs else None
+    return fastest_within(args.pp, args.microbatches, _costs(args.costs), args.memory_budget, stage_costs)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.schedule == AUTO:
+        schedule, chosen = _built(args)  # its option errors first (auto takes no --optimal or --model)
     if args.optimal:
         from .planner.optimal import require_ortools
 
         require_ortools()  # before anything is built: one line naming the fix, exit 2
     if args.model and not args.optimal:
         return plan_balanced(args)
-    schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
+    if args.schedule != AUTO:
+        schedule, chosen = _built(args)
     if args.optimal:
         return plan_optimal(args, schedule)
     sim = simulate(schedule)
@@ -128,12 +155,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = summary(schedule, sim)
         if bound is not None:
             out["lower_bound"] = bound
+        if chosen:
+            out["chosen"] = chosen
         out["written"] = written
         print(json.dumps(out, indent=2))
         return 0
     c = schedule.costs
     pred = prediction_of(schedule)
     print(f"schedule          {schedule.name}  (placement {schedule.placement.kind}, {schedule.placement.chunks} chunk(s) per rank)")
+    if chosen:
+        print(f"chosen by auto    {chosen}")
     print(f"pp, microbatches  {schedule.pp}, {schedule.microbatches}")
     print(f"per-stage costs   F={c.F:g} B={c.B:g} W={c.W:g} C={c.C:g}")
     if schedule.stage_costs is not None:
@@ -460,9 +491,11 @@ def _frontier_pairs(even, balanced) -> List[List[str]]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    schedule = registry.build(args.schedule, args.pp, args.microbatches, _costs(args.costs), **_options(args))
+    schedule, chosen = _built(args)
     export_write(schedule, args.output, args.format)
     print(f"wrote {args.output} ({args.format}, {schedule.name}, pp={schedule.pp}, microbatches={schedule.microbatches})")
+    if chosen:
+        print(f"chosen by auto: {chosen}")
     return 0
 
 
@@ -520,7 +553,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _sizes(p: argparse.ArgumentParser, schedule: bool) -> None:
     if schedule:
-        p.add_argument("--schedule", required=True, help="one of: " + ", ".join(registry.names()))
+        p.add_argument("--schedule", required=True, help="one of: " + ", ".join(registry.names()) +
+                       f"; or {AUTO}: the fastest within --memory-budget, as --pipeline-schedule auto picks it")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
     p.add_argument("--costs", help="F,B,W[,C] for one rank's share of the model (default 1,1,1,0)")

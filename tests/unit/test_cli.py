@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from megatron_vshape.schedule import export, registry
+from megatron_vshape.schedule.ops import Costs
 
 EXE = shutil.which("megatron-vshape", path=os.path.dirname(sys.executable)) or shutil.which("megatron-vshape")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
@@ -100,6 +101,23 @@ def test_export(fmt, tmp_path):
         assert export.parse_torch_csv(path.read_text()) == s.ranks
 
 
+def test_plan_and_export_auto_give_what_pipeline_schedule_auto_runs(tmp_path):
+    """--schedule auto: the schedule choose.fastest_within picks (what --pipeline-schedule auto trains
+    with), its reason printed; plan --export and export write that schedule's op lists."""
+    from megatron_vshape.planner.choose import fastest_within
+
+    sizes = ("--pp", "4", "--microbatches", "8", "--costs", "2,2.2,1.6,0.05", "--memory-budget", "0.7")
+    best, why = fastest_within(4, 8, Costs(2, 2.2, 1.6, 0.05), 0.7)
+    planned, exported = tmp_path / "plan.json", tmp_path / "export.json"
+    r = run("plan", "--schedule", "auto", *sizes, "--json", "--export", str(planned))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["schedule"] == best.name and out["chosen"] == why
+    r = run("export", "--schedule", "auto", *sizes, "--output", str(exported))
+    assert r.returncode == 0 and f"chosen by auto: {why}" in r.stdout, r.stderr
+    assert export.load_json(str(planned)).ranks == export.load_json(str(exported)).ranks == best.ranks
+
+
 @pytest.mark.parametrize("args, message", [
     (("plan", "--schedule", "v-max", "--pp", "4", "--microbatches", "8"), "unknown schedule 'v-max'"),
     (("plan", "--schedule", "1f1b", "--pp", "1", "--microbatches", "8"), "pp >= 2"),
@@ -109,6 +127,11 @@ def test_export(fmt, tmp_path):
     (("compare", "--pp", "1", "--microbatches", "8"), "pp >= 2"),
     (("compare", "--pp", "4", "--microbatches", "0", "--json"), "microbatches >= 1"),
     (("export", "--schedule", "1f1b", "--pp", "4", "--microbatches", "0", "--output", "x.json"), "microbatches >= 1"),
+    (("plan", "--schedule", "auto", "--pp", "4", "--microbatches", "8"), "give X"),
+    (("plan", "--schedule", "auto", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.7", "--optimal"),
+     "unset --optimal"),
+    (("export", "--schedule", "auto", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.7", "--chunks", "2",
+      "--output", "x.json"), "unset --chunks"),
 ])
 def test_config_errors_exit_2_without_traceback(args, message):
     r = run(*args)
