@@ -130,14 +130,14 @@ def _built(args: argparse.Namespace) -> Tuple[Schedule, Optional[str]]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.schedule == AUTO:
-        schedule, chosen = _built(args)  # its option errors first (auto takes no --optimal or --model)
-    if args.optimal:
-        from .planner.optimal import require_ortools
+        schedule, chosen = _built(args)  # (auto takes no --optimal or --model: one line if given)
+    else:
+        if args.optimal:
+            from .planner.optimal import require_ortools
 
-        require_ortools()  # before anything is built: one line naming the fix, exit 2
-    if args.model and not args.optimal:
-        return plan_balanced(args)
-    if args.schedule != AUTO:
+            require_ortools()  # before anything is built: one line naming the fix, exit 2
+        if args.model and not args.optimal:
+            return plan_balanced(args)
         schedule, chosen = _built(args)
     if args.optimal:
         return plan_optimal(args, schedule)

@@ -88,7 +88,7 @@ def scan(pp: int, m: int, costs_text: str, high: float, ends: str = "", auto: bo
 
 
 def _scanned(point) -> list:
-    """scan() of one (costs, pp, m, high, ends), whole: the unit --jobs hands a process."""
+    """scan() of one (costs, pp, m, high, ends, auto), whole: the unit --jobs hands a process."""
     costs, pp, m, high, ends, auto = point
     return list(scan(pp, m, costs, high, ends, auto))
 
