@@ -137,6 +137,18 @@ def test_auto_picks_a_schedule_within_the_budget_and_says_why():
         validate_pipeline_args(_args("--pipeline-schedule", "auto"))
 
 
+def test_auto_in_training_weighs_v_auto_below_the_budget():
+    """The training caller of choose.fastest_within: at pp=6, m=24, 2,2,2,0.25 v-auto's own search
+    at budget 16/12 ends at 150.75, a step below at 150.25 (test_search's instance); --pipeline-schedule
+    auto at 16/12 trains the 150.25 plan, planned at 15/12, and says so."""
+    simulate = __import__("megatron_vshape.schedule.simulate", fromlist=["x"]).simulate
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", str(16 / 12),
+                                        "--pipeline-costs", "2,2,2,0.25", num_layers=12, pipeline_model_parallel_size=6,
+                                        global_batch_size=24, world_size=6))
+    assert plan.name == "v-auto" and plan.schedule.memory_budget == 15 / 12
+    assert simulate(plan.schedule).makespan == 150.25 and "planned at budget 1.25" in plan.reason
+
+
 def test_balance_auto_plans_the_layout_it_prints():
     plan = validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-balance", "auto", num_layers=16,
                                         hidden_size=1024, seq_length=1024, vocab_size=128000, global_batch_size=16))
