@@ -10,15 +10,18 @@ from typing import Callable, Iterator, Optional, Sequence
 
 def in_processes(fn: Callable, items: Sequence, jobs: int, setup: Optional[Callable] = None, arg=None) -> Iterator:
     """fn of each item, in the order given: here, or in `jobs` processes that each run
-    setup(arg) first.  Forked where the platform can: a bench script loaded by its path (as the
-    tests load them) cannot be re-imported by a spawned process."""
+    setup(arg) first.  The processes come from a fork server where the platform has one (else
+    spawned): a plain fork copies the caller's other threads' locks (pytest-xdist's I/O thread,
+    say) held, and a worker that needs one waits forever (a CI run hung so).  A worker imports
+    `fn`'s module by name, so a bench script loaded by its path must sit on sys.path (as when it
+    runs as a script; the tests' loader puts scripts/bench there)."""
     if jobs <= 1:
         if setup:
             setup(arg)
         yield from map(fn, items)
         return
     methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     with context.Pool(jobs, initializer=setup, initargs=(arg,) if setup else ()) as pool:
         yield from pool.imap(fn, items)
 
