@@ -25,8 +25,10 @@ from typing import Optional, Tuple
 
 from ..schedule import registry
 from ..planner.choose import fastest_within
+from ..planner.search import MAX_BUDGET, min_budget
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule
+from ..schedule.simulate import peak_vs_1f1b
 
 AUTO = "auto"
 # Transformer Engine release from which the B/W split works with its layers (README, "Transformer Engine").
@@ -61,8 +63,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "one microbatch over one rank's share of the model, and of one p2p hop (C); schedules that "
                         "plan with costs (zb-h2, the V family, auto) use them (default 1,1,1,0)")
     g.add_argument("--pipeline-memory-budget", type=float, default=None, metavar="X",
-                   help="activation memory cap per rank relative to 1F1B's rank 0 (1.0 = 1F1B); with "
-                        "--pipeline-schedule auto the fastest schedule whose peak fits is chosen")
+                   help="activation memory cap per rank relative to 1F1B's rank 0 (1.0 = 1F1B): with "
+                        "--pipeline-schedule auto the fastest schedule whose peak fits is chosen, v-auto plans "
+                        "under it, and any other schedule that holds more on some rank is refused at start-up")
     g.add_argument("--pipeline-replan-after", type=int, default=None, metavar="N",
                    help="after iteration N, re-plan the schedule's order from the op times measured in it (the "
                         "numbers stay bit for bit the same); with --pipeline-balance auto, re-balance the layout from "
@@ -159,14 +162,36 @@ def _vp_size(args, pp: int) -> Optional[int]:
 
 
 def _generator_options(name: str, args, pp: int) -> dict:
-    """Generator options from Megatron's virtual-pipeline flags (1f1b-interleaved's chunks and group)."""
-    if name != "1f1b-interleaved":
-        return {}
-    options = {"chunks": _vp_size(args, pp) or 2}
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-    if group:
-        options["group"] = group
+    """Generator options from the flags: Megatron's virtual-pipeline flags (1f1b-interleaved's chunks
+    and group), and --pipeline-memory-budget for a generator that plans under one (v-auto)."""
+    options = {}
+    if name == "1f1b-interleaved":
+        options["chunks"] = _vp_size(args, pp) or 2
+        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+        if group:
+            options["group"] = group
+    budget = getattr(args, "pipeline_memory_budget", None)
+    if budget is not None and registry.plans_under_budget(name):
+        if budget < min_budget(pp) - 1e-12:
+            raise ConfigError(f"--pipeline-memory-budget {budget:g} is below V-Min's {min_budget(pp):.4g} at pp={pp}, "
+                              f"the least --pipeline-schedule {name} plans under; raise it")
+        options["memory_budget"] = min(budget, MAX_BUDGET)  # beyond it every V-shape order fits
     return options
+
+
+def _check_budget_holds(args, given: str, schedule: Schedule) -> None:
+    """--pipeline-memory-budget is a cap: a schedule that does not plan under it (a named one, a file's)
+    must fit it on every rank, or training would hold more activation memory than the user allowed."""
+    budget = getattr(args, "pipeline_memory_budget", None)
+    if budget is None:
+        return
+    peaks = peak_vs_1f1b(schedule)
+    peak = max(peaks)
+    if peak > budget + 1e-9:
+        raise ConfigError(f"{given} holds up to {peak:.3g} of 1F1B's activation memory (rank "
+                          f"{peaks.index(peak)}), over --pipeline-memory-budget {budget:g}; pass --pipeline-schedule "
+                          f"auto (the fastest schedule within the budget) or v-auto (planned under it), or raise "
+                          f"the budget")
 
 
 def _check_virtual_pipeline(args, name: str, schedule: Schedule) -> None:
@@ -336,7 +361,10 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
         chosen = _choose_auto(args, pp, m, costs)
         schedule, reason = _chosen_schedule(chosen)
         name = schedule.name
-        options = {}
+        # The budget the choice was planned at (v-auto's may be a step below the flag's): rebuilt by name
+        # (another microbatch count in a ramp, Megatron-LM's hook) it is planned there again.
+        planned = getattr(schedule, "memory_budget", None)
+        options = {"memory_budget": planned} if planned is not None and registry.plans_under_budget(name) else {}
     else:
         options = _generator_options(name, args, pp)
         try:
@@ -352,7 +380,11 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
     if getattr(args, "pipeline_balance", None) == "auto":
         from .layout import balanced_layout
 
+        options.pop("memory_budget", None)  # balance plans v-auto under the flag's budget itself
         schedule, stage_layers, balanced = balanced_layout(args, name, pp, m, costs, options, path)
+    else:
+        _check_budget_holds(args, f"--pipeline-schedule-file {path}" if path else f"--pipeline-schedule {name}",
+                            schedule)
     return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers, balanced)
 
 

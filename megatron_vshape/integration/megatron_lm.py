@@ -172,10 +172,11 @@ def _check_rampup(args, plan) -> None:
 
     start, increment = int(ramp[0]), int(ramp[1])
     per = (getattr(args, "micro_batch_size", None) or 1) * data_parallel_size(args)
-    if plan.name not in registry.names() or getattr(plan, "source", None):  # runs as built: see _executor
-        raise ConfigError(f"--rampup-batch-size changes the number of microbatches, but schedule {plan.name} is one "
-                          f"op list for {plan.num_microbatches} microbatches; unset the ramp or pass a registered "
-                          "--pipeline-schedule")
+    if not _runs_by_name(plan):
+        why = "--pipeline-balance auto planned" if plan.balance else "the schedule is"
+        raise ConfigError(f"--rampup-batch-size changes the number of microbatches, but {why} one op list of "
+                          f"{plan.name} for {plan.num_microbatches} microbatches; unset the ramp, or pass a registered "
+                          "--pipeline-schedule" + (" without --pipeline-balance auto" if plan.balance else ""))
     if not getattr(args, "decrease_batch_size_if_needed", False):
         for what, value in (("start", start), ("increment", increment)):
             if value % per:
@@ -189,6 +190,15 @@ def _check_rampup(args, plan) -> None:
         raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which "
                           f"--pipeline-schedule {plan.name} cannot run ({e}); start the ramp at >= {need * per} "
                           "samples") from None
+
+
+def _runs_by_name(plan) -> bool:
+    """Whether the executor rebuilds the schedule by name for each microbatch count (with plan.options: auto's
+    choice at the budget it was planned at, v-auto at --pipeline-memory-budget), rather than running the one
+    op list validation built: a --pipeline-schedule-file's, or one planned for --pipeline-balance auto's layout."""
+    from ..schedule import registry
+
+    return plan.name in registry.names() and not plan.source and not plan.balance
 
 
 def _builds(plan, m: int) -> bool:
@@ -361,11 +371,9 @@ def _executor(plan):
     from megatron.training import get_args
 
     from ..runtime.executor import get_forward_backward_func
-    from ..schedule import registry
 
     args = get_args()
-    # a --pipeline-schedule-file runs as read; so does a schedule planned for --pipeline-balance auto's layout
-    named = plan.name in registry.names() and not plan.source and not plan.balance
+    named = _runs_by_name(plan)
     return get_forward_backward_func(plan.name if named else plan.schedule, plan.costs,
                                      p2p_timeout=getattr(args, "pipeline_p2p_timeout", None) or 300.0,
                                      schedule_options=plan.options if named else None)

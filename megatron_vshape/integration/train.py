@@ -623,6 +623,11 @@ def run(args, plan) -> dict:
             f"global batch {args.global_batch_size}, {m} microbatches")
     if plan and plan.reason:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
+    elif plan and "memory_budget" in plan.options:
+        from ..schedule.simulate import peak_vs_1f1b
+
+        _print0(f"  {plan.name} planned under --pipeline-memory-budget {args.pipeline_memory_budget:g}: peak "
+                f"{max(peak_vs_1f1b(plan.schedule)):.3g} of 1F1B's activation memory per rank")
     if plan and plan.balance:
         _print0("  " + plan.balance.replace("\n", "\n  "))
     if plan and plan.source:

@@ -15,7 +15,6 @@ This module needs torch only inside `agree` (the `profile` command reads files w
 """
 from __future__ import annotations
 
-import inspect
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -141,7 +140,7 @@ def replan_executor(ex, group=None, hop_latency: float = 0.0) -> Schedule:
     ex.costs = Costs(mean("F"), mean("B"), mean("W"), hop_latency)
     # A schedule made under a memory budget (v-auto) is re-planned under the same budget.
     budget = getattr(ex.schedule, "memory_budget", None)
-    if budget is not None and "memory_budget" in inspect.signature(registry.generator(name)).parameters:
+    if budget is not None and registry.plans_under_budget(name):
         ex.schedule_options.setdefault("memory_budget", budget)
     ex.stage_costs, ex.schedule = table, name
     ex._cache.clear()

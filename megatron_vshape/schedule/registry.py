@@ -49,6 +49,11 @@ def plans_for_stage_costs(name: str) -> bool:
     return "stage_costs" in inspect.signature(generator(name)).parameters
 
 
+def plans_under_budget(name: str) -> bool:
+    """Whether schedule `name`'s generator plans under a memory budget it is given (v-auto)."""
+    return "memory_budget" in inspect.signature(generator(name)).parameters
+
+
 def build(name: str, pp: int, microbatches: int, costs: Optional[Costs] = None,
           stage_costs: Optional[Sequence[StageCost]] = None, **options) -> Schedule:
     """Generate schedule `name` for pp ranks and `microbatches` microbatches (under

@@ -50,7 +50,10 @@ def _runs(rank, world_size, cases):
 
 
 def _cases(world_size):
-    cases = [(name, FLAGS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", name]) for name in PATHS]
+    # v-auto under half of 1F1B's activation memory (V-Min's floor at pp=4), not its default budget 1.0.
+    budget = {"v-auto": ["--pipeline-memory-budget", "0.5"]}
+    cases = [(name, FLAGS + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", name] + budget.get(name, []))
+             for name in PATHS]
     # Data parallelism: two pipelines of two ranks, gradients averaged over the replicas.
     cases.append(("v-half pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-half"]))
     cases.append(("1f1b pp=2 dp=2", FLAGS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]))
@@ -81,7 +84,9 @@ def test_the_paths_cover_every_placement_and_backward():
 def test_every_driver_path_trains_tied_like_the_model_without_pipelining():
     cases = _cases(4)
     for _, argv in cases:  # validated in the parent, before any process group, as the driver does
-        _plan(argv, 4)
+        _, plan = _plan(argv, 4)
+        if plan.name == "v-auto":
+            assert plan.options == {"memory_budget": 0.5} and plan.schedule.memory_budget == 0.5
     (reference,) = launch(_runs, 1, ([("reference", FLAGS)],), timeout=300)
     results = launch(_runs, 4, (cases,), timeout=500)
     want = reference["reference"]

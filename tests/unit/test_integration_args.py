@@ -7,6 +7,7 @@ import pytest
 from megatron_vshape.integration.args import add_pipeline_arguments, validate_pipeline_args
 from megatron_vshape.schedule import registry
 from megatron_vshape.schedule.errors import ConfigError
+from megatron_vshape.schedule.simulate import peak_vs_1f1b, simulate
 
 
 def _args(*argv, **megatron):
@@ -132,7 +133,7 @@ def test_auto_picks_a_schedule_within_the_budget_and_says_why():
     plan = validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", "0.6",
                                         "--pipeline-costs", "2,2.2,1.6,0.05"))
     assert plan.reason and plan.name in plan.reason and plan.name in registry.names()
-    assert max(__import__("megatron_vshape.schedule.simulate", fromlist=["x"]).simulate(plan.schedule).peak_vs_1f1b) <= 0.6 + 1e-9
+    assert max(simulate(plan.schedule).peak_vs_1f1b) <= 0.6 + 1e-9
     with pytest.raises(ConfigError, match="--pipeline-memory-budget"):
         validate_pipeline_args(_args("--pipeline-schedule", "auto"))
 
@@ -141,12 +142,46 @@ def test_auto_in_training_weighs_v_auto_below_the_budget():
     """The training caller of choose.fastest_within: at pp=6, m=24, 2,2,2,0.25 v-auto's own search
     at budget 16/12 ends at 150.75, a step below at 150.25 (test_search's instance); --pipeline-schedule
     auto at 16/12 trains the 150.25 plan, planned at 15/12, and says so."""
-    simulate = __import__("megatron_vshape.schedule.simulate", fromlist=["x"]).simulate
     plan = validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", str(16 / 12),
                                         "--pipeline-costs", "2,2,2,0.25", num_layers=12, pipeline_model_parallel_size=6,
                                         global_batch_size=24, world_size=6))
     assert plan.name == "v-auto" and plan.schedule.memory_budget == 15 / 12
     assert simulate(plan.schedule).makespan == 150.25 and "planned at budget 1.25" in plan.reason
+    # Rebuilt by name (Megatron-LM's hook, another microbatch count of a ramp) it is the same plan, at 15/12:
+    # the options carry the budget it was planned at, not the generator's default (1.0).
+    assert plan.options == {"memory_budget": 15 / 12}
+    assert registry.build(plan.name, 6, 24, plan.costs, **plan.options).ranks == plan.schedule.ranks
+
+
+def test_v_auto_in_training_plans_under_the_memory_budget():
+    """--pipeline-schedule v-auto --pipeline-memory-budget X plans under X (it planned under 1.0, 1F1B's
+    memory, whatever X said), and keeps X in the options the executor rebuilds it with."""
+    costs = ("--pipeline-costs", "2,2.2,1.6,0.05")
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "0.5", *costs))
+    assert plan.options == {"memory_budget": 0.5} and plan.schedule.memory_budget == 0.5
+    assert max(simulate(plan.schedule).peak_vs_1f1b) <= 0.5 + 1e-9
+    assert plan.schedule.ranks == registry.build("v-auto", 4, 8, plan.costs, memory_budget=0.5).ranks
+    wide = validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "5", *costs))
+    assert wide.options == {"memory_budget": 2.0}  # beyond 2.0 every V-shape order fits: the same plans
+    with pytest.raises(ConfigError, match=r"--pipeline-memory-budget 0.3 is below V-Min's 0.5 at pp=4"):
+        validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "0.3", *costs))
+
+
+def test_a_schedule_over_the_memory_budget_is_refused(tmp_path):
+    """--pipeline-memory-budget is a cap for every schedule: one that does not plan under it (a named one,
+    a file's) and holds more on some rank is refused at validation, with the ways out."""
+    from megatron_vshape.schedule.export import to_json
+
+    v_half = registry.build("v-half", 4, 8)
+    peak = max(peak_vs_1f1b(v_half))
+    assert validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-memory-budget", str(peak)))
+    with pytest.raises(ConfigError, match=rf"--pipeline-schedule v-half holds up to {peak:.3g} .* over "
+                                          r"--pipeline-memory-budget 0.4; pass --pipeline-schedule auto"):
+        validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-memory-budget", "0.4"))
+    path = tmp_path / "v_half.json"
+    path.write_text(to_json(v_half))
+    with pytest.raises(ConfigError, match=rf"--pipeline-schedule-file {path} holds up to {peak:.3g}"):
+        validate_pipeline_args(_args("--pipeline-schedule-file", str(path), "--pipeline-memory-budget", "0.4"))
 
 
 def test_balance_auto_plans_the_layout_it_prints():

@@ -103,3 +103,40 @@ def test_the_executor_reads_megatron_lms_rerun_data_iterator():
 
     (data,) = bind([RerunDataIterator(iter(["mb0", "mb1"]))], shared=True)
     assert next(for_op(data, 1)) == "mb1" and next(for_op(data, 0)) == "mb0"
+
+
+def _ramp_args(plan_args, start):
+    """The validated flags with Megatron-LM's --rampup-batch-size START 1 100 (one sample a microbatch)."""
+    from argparse import Namespace
+
+    return Namespace(**{**vars(plan_args), "rampup_batch_size": [str(start), "1", "100"]})
+
+
+def test_a_ramp_is_checked_at_the_budget_the_executor_plans_under():
+    """A ramp's other microbatch counts are rebuilt by name with the plan's options: v-auto under
+    --pipeline-memory-budget 0.5 cannot hold one microbatch at pp=4 (under 1.0, its default, it can), so a
+    ramp starting at one sample is refused, naming where it may start."""
+    from megatron_vshape.integration.args import validate_pipeline_args
+    from test_integration_args import _args
+
+    flags = _args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "0.5")
+    plan = validate_pipeline_args(flags)
+    assert megatron_lm._runs_by_name(plan) and plan.options == {"memory_budget": 0.5}
+    megatron_lm._check_rampup(_ramp_args(flags, 2), plan)
+    with pytest.raises(ConfigError, match=r"starts at 1 samples = 1 microbatches, which --pipeline-schedule v-auto "
+                                          r"cannot run .*start the ramp at >= 2 samples"):
+        megatron_lm._check_rampup(_ramp_args(flags, 1), plan)
+
+
+def test_a_ramp_is_refused_for_a_layout_planned_for_one_microbatch_count():
+    """--pipeline-balance auto's schedule runs as planned for its layout (not rebuilt by name), so it
+    has no op list for a ramp's other counts: refused at validation, not at the ramp's first step."""
+    from megatron_vshape.integration.args import validate_pipeline_args
+    from test_integration_args import _args
+
+    flags = _args("--pipeline-schedule", "v-half", "--pipeline-balance", "auto", num_layers=16, hidden_size=1024,
+                  seq_length=1024, vocab_size=128000, global_batch_size=16)
+    plan = validate_pipeline_args(flags)
+    assert not megatron_lm._runs_by_name(plan)
+    with pytest.raises(ConfigError, match="--pipeline-balance auto planned one op list of v-half for 16 microbatches"):
+        megatron_lm._check_rampup(_ramp_args(flags, 4), plan)
