@@ -28,7 +28,7 @@ from ..planner.choose import fastest_within
 from ..planner.search import MAX_BUDGET, min_budget
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Costs, Schedule
-from ..schedule.simulate import peak_vs_1f1b
+from ..schedule.simulate import peak_activations, peak_vs_1f1b
 
 AUTO = "auto"
 # Transformer Engine release from which the B/W split works with its layers (README, "Transformer Engine").
@@ -170,28 +170,50 @@ def _generator_options(name: str, args, pp: int) -> dict:
         group = getattr(args, "microbatch_group_size_per_vp_stage", None)
         if group:
             options["group"] = group
-    budget = getattr(args, "pipeline_memory_budget", None)
+    budget = planning_budget(args)
     if budget is not None and registry.plans_under_budget(name):
         if budget < min_budget(pp) - 1e-12:
             raise ConfigError(f"--pipeline-memory-budget {budget:g} is below V-Min's {min_budget(pp):.4g} at pp={pp}, "
                               f"the least --pipeline-schedule {name} plans under; raise it")
-        options["memory_budget"] = min(budget, MAX_BUDGET)  # beyond it every V-shape order fits
+        options["memory_budget"] = budget
     return options
 
 
-def _check_budget_holds(args, given: str, schedule: Schedule) -> None:
-    """--pipeline-memory-budget is a cap: a schedule that does not plan under it (a named one, a file's)
-    must fit it on every rank, or training would hold more activation memory than the user allowed."""
+def planning_budget(args) -> Optional[float]:
+    """--pipeline-memory-budget as plans are made under it: at most the planner's MAX_BUDGET (2.0), where
+    every V-shape order fits and beyond which no registered schedule holds more."""
+    budget = getattr(args, "pipeline_memory_budget", None)
+    return None if budget is None else min(budget, MAX_BUDGET)
+
+
+def activation_peaks(schedule: Schedule, stage_layers: Optional[Tuple[int, ...]]) -> list:
+    """Per rank, peak activation memory relative to 1F1B's rank 0 on the even split: each stage weighs its
+    layers (an uneven layout's stages are not the equal ones the schedule was planned for)."""
+    weights = None
+    if stage_layers and len(set(stage_layers)) > 1:
+        per_stage = sum(stage_layers) / len(stage_layers)
+        weights = [n / per_stage for n in stage_layers]
+    return peak_vs_1f1b(schedule, peak_activations(schedule, weights))
+
+
+def _check_budget_holds(args, given: str, schedule: Schedule, stage_layers: Optional[Tuple[int, ...]]) -> None:
+    """--pipeline-memory-budget is a cap for every schedule, on the layout it runs: the peak of one planned
+    for equal stages (a named one, a file's, v-auto's) grows on a rank that holds more layers."""
     budget = getattr(args, "pipeline_memory_budget", None)
     if budget is None:
         return
-    peaks = peak_vs_1f1b(schedule)
+    peaks = activation_peaks(schedule, stage_layers)
     peak = max(peaks)
     if peak > budget + 1e-9:
-        raise ConfigError(f"{given} holds up to {peak:.3g} of 1F1B's activation memory (rank "
-                          f"{peaks.index(peak)}), over --pipeline-memory-budget {budget:g}; pass --pipeline-schedule "
-                          f"auto (the fastest schedule within the budget) or v-auto (planned under it), or raise "
-                          f"the budget")
+        uneven = stage_layers and len(set(stage_layers)) > 1
+        where = f" with layers per stage {','.join(map(str, stage_layers))}" if uneven else ""
+        ways = ["--pipeline-schedule auto (the fastest schedule within the budget)"]
+        if not registry.plans_under_budget(schedule.name) or uneven:
+            ways.append("--pipeline-balance auto (the layout planned within the budget)" if uneven
+                        else "v-auto (planned under it)")
+        raise ConfigError(f"{given} holds up to {peak:.3g} of 1F1B's activation memory (rank {peaks.index(peak)}"
+                          f"{where}), over --pipeline-memory-budget {budget:g}; pass {' or '.join(ways)}, or "
+                          "raise the budget")
 
 
 def _check_virtual_pipeline(args, name: str, schedule: Schedule) -> None:
@@ -317,6 +339,27 @@ def _check_runtime_options(args) -> None:
                               "in this version (the executor has no replan()); unset it")
 
 
+# (attribute, flag, unset values) of the flags that act only through a megatron_vshape schedule.
+SCHEDULE_FLAGS = (("pipeline_layout", "--pipeline-layout", (None,)),
+                  ("pipeline_memory_budget", "--pipeline-memory-budget", (None,)),
+                  ("pipeline_costs", "--pipeline-costs", (None,)),
+                  ("pipeline_balance", "--pipeline-balance auto", (None, "even")),
+                  ("pipeline_replan_after", "--pipeline-replan-after", (None,)))
+
+
+def _check_no_schedule_flags(args) -> None:
+    """With pp >= 2 and no --pipeline-schedule (Megatron-LM's hook: Megatron's own schedules run), the
+    flags that only a megatron_vshape schedule reads would be dropped without a word: refuse them."""
+    if _get(args, "pipeline_model_parallel_size", 1) < 2:
+        return  # no pipeline: the driver names each such flag itself
+    given = [flag for attr, flag, unset in SCHEDULE_FLAGS if getattr(args, attr, None) not in unset]
+    if given:
+        they = len(given) > 1
+        raise ConfigError(f"{', '.join(given)} appl{'y' if they else 'ies'} to a --pipeline-schedule of megatron_vshape, "
+                          f"but none is given: Megatron's own schedule would run and ignore {'them' if they else 'it'}; "
+                          f"pass --pipeline-schedule NAME (1f1b for the 1F1B order) or unset {'them' if they else 'it'}")
+
+
 def replan_available() -> bool:
     """Whether the executor can re-plan its schedule during a run (imports the runtime: torch)."""
     try:
@@ -341,6 +384,7 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
     path = getattr(args, "pipeline_schedule_file", None)
     _check_runtime_options(args)
     if name is None and path is None:
+        _check_no_schedule_flags(args)
         return None
     if name is not None and path is not None:
         raise ConfigError(f"--pipeline-schedule {name} and --pipeline-schedule-file {path}: pass one (the file "
@@ -350,6 +394,12 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
         given = f"--pipeline-schedule {name}" if name else f"--pipeline-schedule-file {path}"
         raise ConfigError(f"{given} needs --pipeline-model-parallel-size >= 2, got {pp}; "
                           f"without pipelining no schedule applies (unset {given.split()[0]})")
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None)
+    if group and (path is not None or name == AUTO):
+        held = f"--pipeline-schedule-file {path} holds its own order" if path is not None else \
+            "--pipeline-schedule auto weighs each schedule at its defaults"
+        raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage={group} orders 1f1b-interleaved when it "
+                          f"is built by name, but {held}: unset it (or pass --pipeline-schedule 1f1b-interleaved)")
     dp = data_parallel_size(args)
     m = num_microbatches(args, dp)
     costs = _costs(args)
@@ -384,7 +434,7 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
         schedule, stage_layers, balanced = balanced_layout(args, name, pp, m, costs, options, path)
     else:
         _check_budget_holds(args, f"--pipeline-schedule-file {path}" if path else f"--pipeline-schedule {name}",
-                            schedule)
+                            schedule, stage_layers)
     return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers, balanced)
 
 

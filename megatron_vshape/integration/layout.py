@@ -15,6 +15,7 @@ from typing import Optional
 from ..schedule import layout
 from ..schedule.errors import ConfigError
 from ..schedule.ops import Placement
+from .args import planning_budget
 
 # (Megatron-LM attribute, flag) of the layer-split flags, ours first.
 SPLIT_FLAGS = (
@@ -98,7 +99,7 @@ def balanced_layout(args, name: str, pp: int, m: int, costs, options: dict, path
     if path is not None:
         raise ConfigError(f"--pipeline-balance auto plans the schedule for the layout it picks; --pipeline-schedule-file "
                           f"{path} holds its own order: pass --pipeline-schedule NAME instead")
-    budget = getattr(args, "pipeline_memory_budget", None)
+    budget = planning_budget(args)
     shape = model_shape(args)
     result = balance(shape, name, pp, m, costs, budget, **options)
     return result.schedule, result.layout, (f"--pipeline-balance auto ({name}, estimated from the model's shape for "

@@ -182,14 +182,24 @@ def _check_rampup(args, plan) -> None:
             if value % per:
                 raise ConfigError(f"--rampup-batch-size {what} {value} is not a multiple of --micro-batch-size x "
                                   f"data-parallel size = {per}; use {max(per, value // per * per)}")
-    m = max(1, start // per)
-    try:
-        registry.build(plan.name, plan.pp, m, plan.costs, **plan.options)
-    except ConfigError as e:
-        need = next((k for k in range(m + 1, plan.num_microbatches + 1) if _builds(plan, k)), plan.num_microbatches)
-        raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which "
-                          f"--pipeline-schedule {plan.name} cannot run ({e}); start the ramp at >= {need * per} "
-                          "samples") from None
+    # Every batch size of the ramp (Megatron-LM's: start, start + increment, ... up to the global batch),
+    # as microbatches (rounded down under --decrease-batch-size-if-needed): the executor builds each when
+    # the ramp reaches it, so a count the schedule cannot run would stop training there, hours in.
+    final = plan.num_microbatches * per
+    for size in range(start, final, max(increment, 1)):
+        m = max(1, size // per)
+        try:
+            registry.build(plan.name, plan.pp, m, plan.costs, **plan.options)
+        except ConfigError as e:
+            if size == start:
+                need = next((k for k in range(m + 1, plan.num_microbatches + 1) if _builds(plan, k)),
+                            plan.num_microbatches)
+                raise ConfigError(f"--rampup-batch-size starts at {start} samples = {m} microbatches, which "
+                                  f"--pipeline-schedule {plan.name} cannot run ({e}); start the ramp at >= "
+                                  f"{need * per} samples") from None
+            raise ConfigError(f"--rampup-batch-size reaches {size} samples = {m} microbatches, which "
+                              f"--pipeline-schedule {plan.name} cannot run ({e}); pick a start and increment whose "
+                              "batch sizes it runs, or unset the ramp") from None
 
 
 def _runs_by_name(plan) -> bool:

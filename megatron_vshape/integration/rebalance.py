@@ -25,6 +25,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from ..schedule.errors import ConfigError
+from .args import planning_budget
 from .layout import model_shape
 
 
@@ -50,7 +51,7 @@ def rebalance(args, plan, stats, device, iteration: int) -> Tuple[object, dict, 
 
     table = measured(stats, plan.schedule.num_stages, device=device)
     parts = measured_parts(table, plan.stage_layers, model_shape(args).parts())
-    budget = getattr(args, "pipeline_memory_budget", None)
+    budget = planning_budget(args)
     record = {"iteration": iteration, "schedule": plan.name, "previous_layout": list(plan.stage_layers),
               "parts": {k: dataclasses.asdict(getattr(parts, k)) for k in ("layer", "embedding", "head")}}
     ms = lambda p: "/".join(f"{1e3 * getattr(p, k):.3g}" for k in ("F", "B", "W"))  # noqa: E731

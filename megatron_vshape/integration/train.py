@@ -624,10 +624,10 @@ def run(args, plan) -> dict:
     if plan and plan.reason:
         _print0(f"  --pipeline-schedule auto chose {plan.name}: {plan.reason}")
     elif plan and "memory_budget" in plan.options:
-        from ..schedule.simulate import peak_vs_1f1b
+        from .args import activation_peaks
 
         _print0(f"  {plan.name} planned under --pipeline-memory-budget {args.pipeline_memory_budget:g}: peak "
-                f"{max(peak_vs_1f1b(plan.schedule)):.3g} of 1F1B's activation memory per rank")
+                f"{max(activation_peaks(plan.schedule, plan.stage_layers)):.3g} of 1F1B's activation memory per rank")
     if plan and plan.balance:
         _print0("  " + plan.balance.replace("\n", "\n  "))
     if plan and plan.source:
@@ -763,7 +763,12 @@ def _release_memory(device) -> None:
 def _replan(fb, iteration: int) -> dict:
     """--pipeline-replan-after N: every rank re-plans from the op times of the last iteration
     (one collective; the same schedule everywhere); the order changes, the numbers do not."""
-    new = fb.replan()
+    try:
+        new = fb.replan()
+    except ConfigError as e:  # alike on every rank (after the collective); the executor keeps its schedule
+        _print0(f"  re-planning at iteration {iteration} from the measured op times kept the schedule: {e}")
+        return {"iteration": iteration, "schedule": getattr(fb.schedule, "name", fb.schedule), "order_changed": False,
+                "kept": str(e)}
     changed = new.meta["order_changed"]
     _print0(f"  re-planned {new.name} at iteration {iteration} from the measured op times: order "
             f"{'changed' if changed else 'unchanged (the plan for these costs is the same)'}")

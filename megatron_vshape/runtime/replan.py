@@ -137,12 +137,16 @@ def replan_executor(ex, group=None, hop_latency: float = 0.0) -> Schedule:
     table = measured(ex.stats, current.num_stages, group, device)
     k = current.placement.chunks  # Costs are per rank's share: a stage of k chunks holds 1/k of it
     mean = lambda kind: sum(getattr(c, kind) for c in table) / len(table) * k  # noqa: E731
-    ex.costs = Costs(mean("F"), mean("B"), mean("W"), hop_latency)
+    costs = Costs(mean("F"), mean("B"), mean("W"), hop_latency)
     # A schedule made under a memory budget (v-auto) is re-planned under the same budget.
+    options = dict(ex.schedule_options)
     budget = getattr(ex.schedule, "memory_budget", None)
     if budget is not None and registry.plans_under_budget(name):
-        ex.schedule_options.setdefault("memory_budget", budget)
-    ex.stage_costs, ex.schedule = table, name
+        options.setdefault("memory_budget", budget)
+    # Built before anything changes: a ConfigError (e.g. the measured activation sizes no longer fit the
+    # budget) leaves the executor running the schedule it had.
+    registry.build(name, pp, m, costs, stage_costs=table, **options)
+    ex.costs, ex.schedule_options, ex.stage_costs, ex.schedule = costs, options, table, name
     ex._cache.clear()
     new = ex._plan(pp, m, False, rank)[0]
     new.meta["order_changed"] = new.ranks != current.ranks

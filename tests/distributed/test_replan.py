@@ -182,3 +182,38 @@ def test_profile_refuses_files_that_are_not_recorder_dumps(tmp_path):
         cli = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "profile", *map(str, files), "--output",
                               str(tmp_path / "out.json"), "--stages", "2"], capture_output=True, text=True, timeout=120)
         assert cli.returncode == 2 and word in cli.stderr and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+def _replan_over_the_budget(rank, world_size):
+    """v-auto under memory budget 0.5 at pp=4, m=8 (a cap of 4 stage-activations a rank), re-planned from a
+    profile whose stage 0 saves five times a plain stage's bytes: one microbatch no longer fits rank 0."""
+    from megatron_vshape.integration import train
+    from megatron_vshape.runtime.executor import get_forward_backward_func
+    from megatron_vshape.runtime.stats import Recorder
+
+    recorder = Recorder()
+    ex = get_forward_backward_func("v-auto", stats=recorder, schedule_options={"memory_budget": 0.5})
+    ex._last_step = (4, 8, 0, torch.device("cpu"))  # as a step of pp=4, 8 microbatches leaves it
+    before = ex._plan(4, 8, False, 0)[0]
+    for mb in range(8):
+        for stage in range(8):
+            recorder.ops.extend([("F", mb, stage, 0.0, 1.0), ("B", mb, stage, 1.0, 2.0), ("W", mb, stage, 2.0, 3.0)])
+            recorder.saved_by_stage.setdefault(stage, []).append(5000 if stage == 0 else 1000)
+    try:
+        ex.replan()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        raised = f"{type(e).__name__}: {e}"
+    kept = (ex.schedule, ex.stage_costs, ex.schedule_options, ex._plan(4, 8, False, 0)[0].ranks == before.ranks)
+    return {"raised": raised, "kept": kept, "driver": train._replan(ex, 3)}
+
+
+@pytest.mark.timeout(300)
+def test_a_replan_that_cannot_fit_the_budget_keeps_the_schedule():
+    """The re-plan's ConfigError comes before the executor changes anything (it runs the schedule it had),
+    and the driver's --pipeline-replan-after says so and trains on instead of stopping at iteration N."""
+    (got,) = launch(_replan_over_the_budget, 1, timeout=240)
+    assert got["raised"].startswith("ConfigError: v-auto: microbatches=8 is too few for pp=4 at memory budget 0.5")
+    assert got["kept"] == ("v-auto", None, {"memory_budget": 0.5}, True)
+    record = got["driver"]
+    assert record["schedule"] == "v-auto" and not record["order_changed"] and "too few" in record["kept"]

@@ -190,3 +190,61 @@ def test_balance_auto_plans_the_layout_it_prints():
     assert sum(plan.stage_layers) == 16 and plan.stage_layers != (2,) * 8
     assert plan.as_built and plan.schedule.stage_costs is not None  # the executor runs the order planned for it
     assert "even 2,2,2,2,2,2,2,2" in plan.balance and f"balanced {','.join(map(str, plan.stage_layers))}" in plan.balance
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--pipeline-layout", "1,3,3,1"], "--pipeline-layout applies"),
+    (["--pipeline-memory-budget", "0.5", "--pipeline-costs", "1,2,1"], "--pipeline-memory-budget, --pipeline-costs apply"),
+    (["--pipeline-balance", "auto"], "--pipeline-balance auto applies"),
+    (["--pipeline-replan-after", "2"], "--pipeline-replan-after applies"),
+])
+def test_schedule_flags_without_a_schedule_are_refused(argv, named):
+    """Without --pipeline-schedule (Megatron-LM's hook: Megatron's own schedules run) the flags that only a
+    megatron_vshape schedule reads would be dropped without a word; at pp=1 the driver names them itself."""
+    with pytest.raises(ConfigError, match=f"{named} to a --pipeline-schedule of megatron_vshape, but none is given"):
+        validate_pipeline_args(_args(*argv))
+    assert validate_pipeline_args(_args()) is None  # Megatron's own schedule, nothing of ours asked for
+    assert validate_pipeline_args(_args(*argv[:1] + argv[1:2], pipeline_model_parallel_size=1)) is None
+
+
+def test_the_microbatch_group_flag_is_refused_where_it_cannot_apply(tmp_path):
+    """--microbatch-group-size-per-virtual-pipeline-stage orders 1f1b-interleaved as built by name: a file's
+    order or auto's choice (built at the defaults) would silently run without it."""
+    from megatron_vshape.schedule.export import to_json
+
+    path = tmp_path / "interleaved.json"
+    path.write_text(to_json(registry.build("1f1b-interleaved", 4, 8)))
+    assert registry.build("1f1b-interleaved", 4, 8, group=8).ranks != registry.build("1f1b-interleaved", 4, 8).ranks
+    with pytest.raises(ConfigError, match=rf"=8 orders 1f1b-interleaved .* but --pipeline-schedule-file {path} holds"):
+        validate_pipeline_args(_args("--pipeline-schedule-file", str(path), microbatch_group_size_per_vp_stage=8))
+    with pytest.raises(ConfigError, match="but --pipeline-schedule auto weighs each schedule at its defaults"):
+        validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", "1",
+                                     microbatch_group_size_per_vp_stage=8))
+    plan = validate_pipeline_args(_args("--pipeline-schedule", "1f1b-interleaved", microbatch_group_size_per_vp_stage=8))
+    assert plan.options["group"] == 8
+
+
+def test_the_memory_budget_weighs_an_uneven_layout():
+    """A schedule planned for equal stages holds more on a rank whose stages hold more layers: the budget is
+    checked on the layout that runs (v-half at pp=4 holds 0.75 of 1F1B on equal stages)."""
+    even = validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-memory-budget", "0.75",
+                                        num_layers=16))
+    assert max(peak_vs_1f1b(even.schedule)) == 0.75
+    with pytest.raises(ConfigError, match=r"v-half holds up to 1.62 of 1F1B's activation memory \(rank 0 with layers "
+                                          r"per stage 4,1,1,1,1,1,1,6\), over --pipeline-memory-budget 0.75; .*"
+                                          r"--pipeline-balance auto"):
+        validate_pipeline_args(_args("--pipeline-schedule", "v-half", "--pipeline-memory-budget", "0.75",
+                                     "--pipeline-layout", "4,1,1,1,1,1,1,6", num_layers=16))
+    with pytest.raises(ConfigError, match=r"v-auto holds up to 1.12 .* over --pipeline-memory-budget 0.5"):
+        validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "0.5",
+                                     "--pipeline-layout", "4,1,1,1,1,1,1,6", num_layers=16))
+
+
+def test_a_budget_beyond_two_plans_as_two_with_or_without_balance():
+    """Beyond 2.0 of 1F1B every V-shape order fits: v-auto plans at 2.0, whether the layout is given or
+    balanced (balance refused it, naming the planner's --memory-budget)."""
+    shape = dict(hidden_size=256, seq_length=256, vocab_size=1000)
+    plain = validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "3", **shape))
+    balanced = validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "3",
+                                            "--pipeline-balance", "auto", **shape))
+    assert plain.schedule.memory_budget == 2.0 and balanced.balance and balanced.schedule.placement.kind == "v"

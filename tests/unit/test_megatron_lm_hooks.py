@@ -105,11 +105,11 @@ def test_the_executor_reads_megatron_lms_rerun_data_iterator():
     assert next(for_op(data, 1)) == "mb1" and next(for_op(data, 0)) == "mb0"
 
 
-def _ramp_args(plan_args, start):
-    """The validated flags with Megatron-LM's --rampup-batch-size START 1 100 (one sample a microbatch)."""
+def _ramp_args(plan_args, start, increment=1):
+    """The validated flags with Megatron-LM's --rampup-batch-size START INCREMENT 100 (one sample a microbatch)."""
     from argparse import Namespace
 
-    return Namespace(**{**vars(plan_args), "rampup_batch_size": [str(start), "1", "100"]})
+    return Namespace(**{**vars(plan_args), "rampup_batch_size": [str(start), str(increment), "100"]})
 
 
 def test_a_ramp_is_checked_at_the_budget_the_executor_plans_under():
@@ -140,3 +140,17 @@ def test_a_ramp_is_refused_for_a_layout_planned_for_one_microbatch_count():
     assert not megatron_lm._runs_by_name(plan)
     with pytest.raises(ConfigError, match="--pipeline-balance auto planned one op list of v-half for 16 microbatches"):
         megatron_lm._check_rampup(_ramp_args(flags, 4), plan)
+
+
+def test_a_ramp_is_checked_at_every_batch_size_it_reaches():
+    """1f1b-interleaved at pp=4 runs 4 and 8 microbatches but not 6 (a last group shorter than pp): a ramp
+    4, 6, 8 would stop at 6, hours in; it is refused at validation, naming that size."""
+    from megatron_vshape.integration.args import validate_pipeline_args
+    from test_integration_args import _args
+
+    flags = _args("--pipeline-schedule", "1f1b-interleaved")
+    plan = validate_pipeline_args(flags)
+    megatron_lm._check_rampup(_ramp_args(flags, 4, 4), plan)  # 4, 8
+    with pytest.raises(ConfigError, match=r"reaches 6 samples = 6 microbatches, which --pipeline-schedule "
+                                          r"1f1b-interleaved cannot run \(.*last group of 2 < pp=4"):
+        megatron_lm._check_rampup(_ramp_args(flags, 4, 2), plan)
