@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 MARKERS = ("VSHAPE_RUN", "VSHAPE_METRICS", "VSHAPE_SUMMARY", "VSHAPE_EXIT")
 LOG_SUFFIXES = (".log", ".out", ".txt")
@@ -156,8 +156,24 @@ _FIELDS = ("config_name", "schedule", "pp", "tp", "dp", "world_size", "num_layer
 _ARG = re.compile(r"--(pipeline-schedule|config)[ =](\S+)")
 
 
+def _last_attempt(text: str) -> str:
+    """The log from its last VSHAPE_RUN line on: a run submitted again into the same --out appends to its
+    log (submit_grid.py, sbatch --open-mode=append), and an earlier attempt's summary must not stand for a
+    later one that died, was killed or has not started."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, (marker, _) in _records_at(lines) if marker == "VSHAPE_RUN"]
+    return "".join(lines[starts[-1]:]) if starts else text
+
+
+def _records_at(lines: Sequence[str]):
+    """(line index, (marker, payload)) of each machine-readable line."""
+    for i, line in enumerate(lines):
+        for record in _records([line]):
+            yield i, record
+
+
 def parse_log(path: Path) -> Run:
-    text = Path(path).read_text(errors="replace")
+    text = _last_attempt(Path(path).read_text(errors="replace"))
     run = Run(log=str(path))
     planned, summary, exit_rec, metrics = {}, None, None, []
     for marker, payload in _records(text.splitlines()):
