@@ -182,17 +182,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def validate(args, world_size: Optional[int] = None):
+def validate(args, world_size: Optional[int] = None, cuda: Optional[bool] = None, check_paths: bool = True):
     """Driver checks on top of validate_pipeline_args; returns the pipeline plan (None at pp=1).
     Sets the derived sizes on args.  Touches no process group.  `world_size`: default torchrun's
-    WORLD_SIZE."""
+    WORLD_SIZE.  `cuda`: whether the run has GPUs (default: this machine's); `check_paths`: whether
+    the files to read and the folders to write are checked here (scripts/slurm/submit_grid.py
+    validates on the submitting host, for nodes whose storage it may not see)."""
     import torch
 
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     startup.check_numbers(args)  # each flag alone first: a cross-flag message never blames the wrong one
     if args.pipeline_model_parallel_size > 1 and args.pipeline_schedule is None and not args.pipeline_schedule_file:
         args.pipeline_schedule = "1f1b"
-    args.pipeline_machine = "gpu" if torch.cuda.is_available() else "cpu"  # what --pipeline-balance auto prices
+    args.pipeline_machine = "gpu" if cuda else "cpu"  # what --pipeline-balance auto prices
     plan = validate_pipeline_args(args)  # layers per stage too (integration/layout.py)
     if plan is None and given_split(args):
         raise ConfigError(f"{', '.join(given_split(args))}: splits layers over pipeline stages; it needs "
@@ -214,7 +217,6 @@ def validate(args, world_size: Optional[int] = None):
         raise ConfigError(f"--num-layers={args.num_layers} is not divisible by pp={args.pipeline_model_parallel_size}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pass one")
-    cuda = torch.cuda.is_available()
     if (args.fp16 or args.bf16) and not cuda:
         raise ConfigError(f"--{'fp16' if args.fp16 else 'bf16'} on CPU: megatron-core's mixed-precision optimizer "
                           "and Float16Module need CUDA; train in fp32 on CPU (drop the flag)")
@@ -236,7 +238,8 @@ def validate(args, world_size: Optional[int] = None):
         raise ConfigError(f"--pipeline-replan-after={args.pipeline_replan_after} re-plans a pipeline schedule; it needs "
                           f"--pipeline-model-parallel-size >= 2 (got {args.pipeline_model_parallel_size}): unset it")
     rebalance.check(args)
-    startup.check_paths(args)  # last: the cheap mistakes first, then the file system
+    if check_paths:
+        startup.check_paths(args)  # last: the cheap mistakes first, then the file system
     return plan
 
 

@@ -14,11 +14,11 @@ line naming it, so the report lists a run that died before printing anything as 
 Flags after `--` go to every run's pretrain_gpt.py (they override the config file).
 
 Validation happens before any sbatch, with the driver's own parsing (`integration.train.parse_args`:
-config keys, flag values, defaults) and pipeline checks (`integration.args.validate_pipeline_args`,
-the same the ranks run at start-up):
-layers that do not split into the schedule's stages, a global batch that is not a multiple of
-micro-batch x data-parallel size, too few microbatches for a schedule, and a job with fewer GPUs
-than tp x pp needs.  Any bad run: one line per problem naming the value and the fix, exit 2,
+config keys, flag values, defaults) and start-up checks (`integration.train.validate`, what the ranks
+run, for GPUs unless --no-gpus; only the paths to read and write are left to the nodes, whose
+storage this host may not see): flag values and combinations, model sizes (heads, layers per stage),
+a global batch that is not a multiple of micro-batch x data-parallel size, too few microbatches for
+a schedule, and a job with fewer GPUs than tp x pp needs.  Any bad run: one line per problem naming the value and the fix, exit 2,
 nothing submitted.  --dry-run validates and prints the sbatch commands only.
 """
 from __future__ import annotations
@@ -38,8 +38,7 @@ SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 GRID_SCHEDULES = ("1f1b", "1f1b-interleaved", "v-min", "v-half", "v-zb")
 sys.path.insert(0, str(ROOT))
 
-from megatron_vshape.integration.args import validate_pipeline_args  # noqa: E402
-from megatron_vshape.integration.train import parse_args  # noqa: E402
+from megatron_vshape.integration.train import parse_args, validate  # noqa: E402
 from megatron_vshape.schedule.errors import ConfigError  # noqa: E402
 
 
@@ -52,15 +51,16 @@ def driver_args(config: Path, schedule: str, passthrough: List[str]) -> argparse
         raise ConfigError(f"the driver refuses these flags for {config.name} (see the line above)") from None
 
 
-def validate_run(args: argparse.Namespace, world: int, global_batch: Optional[int]):
-    """The driver's pipeline validation for `world` processes; returns its PipelinePlan."""
+def validate_run(args: argparse.Namespace, world: int, global_batch: Optional[int], gpus: bool = True):
+    """The driver's own start-up validation (integration.train.validate) for `world` processes with or
+    without GPUs, but for the paths, which the nodes may see and this host not; returns its PipelinePlan."""
     if global_batch is not None:
         args.global_batch_size = global_batch
-    args.world_size, args.data_parallel_size = world, None  # dp = world / (tp x pp x cp), as Megatron derives it
+    args.data_parallel_size = None  # dp = world / (tp x pp x cp), as Megatron derives it
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * (world // max(1, args.tensor_model_parallel_size *
                                                                         args.pipeline_model_parallel_size))
-    return validate_pipeline_args(args)
+    return validate(args, world_size=world, cuda=gpus, check_paths=False)  # a schedule at pp < 2 is refused
 
 
 @dataclass
@@ -100,7 +100,7 @@ def plan_run(config: Path, schedule: str, m: Optional[int], per_pp: Optional[int
                           f"split into tp x pp x cp = {tp * pp * cp}; use a multiple of {tp * pp * cp} GPUs")
     if per_pp is not None:
         m = per_pp * pp
-    plan = validate_run(args, world, None if m is None else m * args.micro_batch_size * a.dp)
+    plan = validate_run(args, world, None if m is None else m * args.micro_batch_size * a.dp, not a.no_gpus)
     m = plan.num_microbatches
     return Run(config, schedule, m, vars(args), nodes, world, f"{Path(config).stem}__{schedule}__m{m}")
 

@@ -152,6 +152,9 @@ def test_a_dead_rank_fails_the_job_and_the_report(cluster, tmp_path):
      "--global-batch-size=10 is not divisible by --micro-batch-size=4 x data-parallel size 1; use --global-batch-size=12"),
     (["--nodes", "1"], "needs tp x pp x cp = 1x4x1 = 4 GPUs but the job has --nodes=1 x --gpus-per-node=2 = 2; "
                        "use --nodes=2"),
+    # The driver's own start-up checks beyond the pipeline's: model sizes, flag values and combinations.
+    (["--", "--num-attention-heads", "3"], "--hidden-size=64 is not divisible by --num-attention-heads=3"),
+    (["--", "--min-lr", "0.1"], "--min-lr=0.1 is above --lr=0.003"),
 ])
 def test_a_grid_that_does_not_fit_fails_before_sbatch(tmp_path, argv, message):
     """No cluster needed: nothing reaches sbatch (no sbatch on PATH would fail differently)."""
