@@ -79,9 +79,13 @@ def _model_stage_costs(args, schedule: Schedule):
 
 
 def _check_machine(args) -> None:
+    """--machine and --vocab-size qualify --model's estimate: alone they would change nothing."""
     if getattr(args, "machine", None) and not getattr(args, "model", None):
         raise ConfigError(f"--machine {args.machine} prices the stage costs estimated from --model; give --model "
                           "FILE.yaml, or drop --machine")
+    if getattr(args, "vocab_size", None) and not getattr(args, "model", None):
+        raise ConfigError(f"--vocab-size {args.vocab_size} replaces the vocabulary of --model's shape; give --model "
+                          "FILE.yaml, or drop --vocab-size")
 
 
 def summary(schedule: Schedule, sim: SimResult) -> dict:
@@ -326,18 +330,30 @@ def plan_balanced(args: argparse.Namespace) -> int:
     shape = _model_shape(args)
     result = balance(shape, args.schedule, args.pp, args.microbatches, _costs(args.costs),
                      args.memory_budget, flag="--memory-budget", layers_flag=_layers_flag(args), **options)
+    written: List[str] = []
     if args.export:
         export_write(result.schedule, args.export, "json", result.sim)
+        written.append(args.export)
+    if args.picture:  # the balanced layout's timeline, as plan draws any schedule's
+        from .schedule.render import write_picture
+
+        written += write_picture(result.schedule, args.picture, result.sim)
     if args.json:
         out = summary(result.schedule, result.sim)
         out.update({"machine": shape.machine.name, "layout": list(result.layout), "even_layout": list(result.even_layout),
                     "even": {"makespan": result.even_sim.makespan, "bubble_rate": result.even_sim.bubble_rate,
-                             "peak_vs_1f1b": result.even_sim.peak_vs_1f1b}})
+                             "peak_vs_1f1b": result.even_sim.peak_vs_1f1b}, "written": written})
         print(json.dumps(out, indent=2))
         return 0
     print(f"{args.schedule} pp={args.pp} microbatches={args.microbatches}, stage costs estimated from {args.model}"
           f", {_priced(shape)} (layers per stage in model order; --pipeline-layout takes the balanced one):")
     print(result.summary())
+    if args.text:
+        from .schedule.render import text
+
+        print(text(result.schedule, result.sim))
+    for path in written:
+        print(f"wrote             {path}")
     return 0
 
 
@@ -431,6 +447,9 @@ def cmd_frontier(args: argparse.Namespace) -> int:
     from .planner import frontier
 
     check_sizes("frontier", args.pp, args.microbatches)
+    if args.memory_budget is not None:
+        raise ConfigError(f"--memory-budget {args.memory_budget:g}: frontier plans every budget from V-Min's to 2.0 "
+                          "(its rows are the budgets); drop it, or ask plan/compare for one budget")
     costs = _costs(args.costs)
     stage_costs, balanced = None, None
     if args.stage_costs:
@@ -615,13 +634,14 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="recorded op times (runtime.stats.Recorder.dump) -> a stage-costs file")
     p.add_argument("stats", nargs="+", metavar="STATS", help="JSON from Recorder.dump, one per rank (or a list of them)")
     p.add_argument("--output", required=True, metavar="PATH", help="stage-costs file to write (what --stage-costs reads)")
-    p.add_argument("--stages", type=int, help="stages of the schedule (default: the highest recorded stage + 1)")
+    p.add_argument("--stages", type=positive_int, help="stages of the schedule (default: the highest recorded stage + 1)")
     p.set_defaults(run=cmd_profile)
 
     p = sub.add_parser("frontier", help="fastest V-shape schedule for every memory budget, baselines beside it")
     _sizes(p, schedule=False)
     p.add_argument("--json", action="store_true", help="print the points as JSON")
-    p.add_argument("--picture", metavar="PATH", help="draw memory vs makespan to SVG (+PNG next to it with matplotlib)")
+    p.add_argument("--picture", metavar="PATH", type=output_path(".svg", ".png"),
+                   help="draw memory vs makespan to SVG (+PNG next to it with matplotlib), or PNG")
     p.set_defaults(run=cmd_frontier)
 
     # verify_cmd imports torch only inside run(), so the planner stays torch-free.

@@ -15,6 +15,7 @@ This module needs torch only inside `agree` (the `profile` command reads files w
 """
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -71,6 +72,10 @@ def from_recorders(recorders: Iterable[dict], num_stages: Optional[int] = None) 
     recorders = list(recorders)
     if num_stages is None:
         num_stages = 1 + max((op[2] for r in recorders for op in r["ops"]), default=-1)
+    highest = max((int(s) for r in recorders for s in (r.get("saved_by_stage") or {})), default=-1)
+    if num_stages < 1 or highest >= num_stages:
+        raise ConfigError(f"{num_stages} stage(s), but bytes were saved on stage {highest}: give the schedule's "
+                          "stage count (2 x pp on the V), or let it default to the highest recorded stage + 1")
     total = [[0.0] * COLUMNS for _ in range(num_stages)]
     for r in recorders:
         saved = {int(s): v for s, v in (r.get("saved_by_stage") or {}).items()}
@@ -91,8 +96,23 @@ def load_stats(paths: Sequence[str]) -> List[dict]:
             if not isinstance(item, dict) or not isinstance(item.get("ops"), list):
                 raise ConfigError(f"{path}: expected a Recorder dump with an 'ops' list of [kind, microbatch, stage, "
                                   "start, end] (Recorder.dump writes one)")
+            bad = next((op for op in item["ops"] if not _is_op(op)), None)
+            if bad is not None:
+                raise ConfigError(f"{path}: op {json.dumps(bad)} is not [kind in {'/'.join(KINDS)}, microbatch, stage, "
+                                  "start, end] (Recorder.dump writes those)")
+            saved = item.get("saved_by_stage") or {}
+            if not isinstance(saved, dict) or not all(str(k).isdigit() and isinstance(v, list) for k, v in saved.items()):
+                raise ConfigError(f"{path}: 'saved_by_stage' must map stage numbers to lists of bytes")
             out.append(item)
+    if not any(item["ops"] for item in out):
+        raise ConfigError("no op recorded in " + ", ".join(paths) + "; dump the recorder after a training step")
     return out
+
+
+def _is_op(op) -> bool:
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return (isinstance(op, list) and len(op) == 5 and op[0] in KINDS and all(isinstance(v, int) and v >= 0
+            for v in op[1:3]) and number(op[3]) and number(op[4]))
 
 
 def agree(rows: List[List[float]], group=None, device=None) -> List[List[float]]:

@@ -175,11 +175,19 @@ def test_driver_replan_after_n_keeps_the_loss_curve_bit_for_bit(runs):
 
 
 def test_profile_refuses_files_that_are_not_recorder_dumps(tmp_path):
-    bad, partial = tmp_path / "bad.json", tmp_path / "partial.json"
-    bad.write_text("{not json")
-    partial.write_text(json.dumps({"ops": [["F", 0, 0, 0.0, 1.0], ["B", 0, 0, 1.0, 2.0], ["W", 0, 0, 2.0, 3.0]]}))
-    for files, word in (([bad], "not JSON"), ([partial], "no forward recorded for stage(s) 1")):
-        cli = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "profile", *map(str, files), "--output",
+    def dump(name, data):
+        (tmp_path / name).write_text(data if isinstance(data, str) else json.dumps(data))
+        return tmp_path / name
+
+    ops = [["F", 0, 0, 0.0, 1.0], ["B", 0, 0, 1.0, 2.0], ["W", 0, 0, 2.0, 3.0]]
+    cases = [(dump("bad.json", "{not json"), "not JSON"),
+             (dump("partial.json", {"ops": ops}), "no forward recorded for stage(s) 1"),
+             (dump("empty.json", {"ops": []}), "no op recorded in"),  # dumped before any step
+             (dump("six.json", {"ops": [ops[0] + [4.0]]}), "is not [kind in F/B/W/BW, microbatch, stage, start, end]"),
+             (dump("kind.json", {"ops": [["X", 0, 0, 0.0, 1.0]]}), "is not [kind in"),
+             (dump("saved.json", {"ops": ops, "saved_by_stage": {"5": [1]}}), "but bytes were saved on stage 5")]
+    for path, word in cases:
+        cli = subprocess.run([sys.executable, "-m", "megatron_vshape.cli", "profile", str(path), "--output",
                               str(tmp_path / "out.json"), "--stages", "2"], capture_output=True, text=True, timeout=120)
         assert cli.returncode == 2 and word in cli.stderr and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
 

@@ -132,6 +132,11 @@ def test_plan_and_export_auto_give_what_pipeline_schedule_auto_runs(tmp_path):
      "unset --optimal"),
     (("export", "--schedule", "auto", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.7", "--chunks", "2",
       "--output", "x.json"), "unset --chunks"),
+    # Options that would change nothing where they are given: refused, not ignored.
+    (("frontier", "--pp", "4", "--microbatches", "8", "--memory-budget", "0.7"), "frontier plans every budget"),
+    (("plan", "--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--vocab-size", "128256"),
+     "--vocab-size 128256 replaces the vocabulary of --model's shape; give --model"),
+    (("frontier", "--pp", "4", "--microbatches", "8", "--picture", "f.pdf"), "unsupported extension '.pdf'"),
 ])
 def test_config_errors_exit_2_without_traceback(args, message):
     r = run(*args)
@@ -171,6 +176,18 @@ def test_v_auto_is_balanced_at_the_budget_given(tmp_path, capsys):
                      "--memory-budget", "1.5", "--json"]) == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert "error" not in rows["v-auto"] and rows["v-auto"]["balanced"]["peak_vs_1f1b"] <= 1.5 + 1e-9
+
+
+def test_plan_with_a_model_draws_and_prints_the_balanced_timeline(tmp_path, capsys):
+    """plan --model took --picture and --text and drew nothing (it returned before plan's drawing)."""
+    from megatron_vshape import cli
+
+    svg, exported = tmp_path / "balanced.svg", tmp_path / "balanced.json"
+    assert cli.main(["plan", "--schedule", "v-half", "--pp", "2", "--microbatches", "4", "--model",
+                     _model_file(tmp_path, vocab=8192), "--picture", str(svg), "--text", "--export", str(exported)]) == 0
+    out = capsys.readouterr().out
+    assert svg.read_text().startswith("<svg") and f"wrote             {svg}" in out
+    assert f"wrote             {exported}" in out and "rank 0" in out  # the text timeline, one row per rank
 
 
 def test_frontier_with_a_model_prints_and_draws_even_and_balanced(tmp_path, capsys):
