@@ -207,7 +207,8 @@ def _check_budget_holds(args, given: str, schedule: Schedule, stage_layers: Opti
     if peak > budget + 1e-9:
         uneven = stage_layers and len(set(stage_layers)) > 1
         where = f" with layers per stage {','.join(map(str, stage_layers))}" if uneven else ""
-        ways = ["--pipeline-schedule auto (the fastest schedule within the budget)"]
+        ways = [] if given.startswith(f"--pipeline-schedule {AUTO}") else \
+            ["--pipeline-schedule auto (the fastest schedule within the budget)"]
         if not registry.plans_under_budget(schedule.name) or uneven:
             ways.append("--pipeline-balance auto (the layout planned within the budget)" if uneven
                         else "v-auto (planned under it)")
@@ -433,8 +434,9 @@ def validate_pipeline_args(args) -> Optional[PipelinePlan]:
         options.pop("memory_budget", None)  # balance plans v-auto under the flag's budget itself
         schedule, stage_layers, balanced = balanced_layout(args, name, pp, m, costs, options, path)
     else:
-        _check_budget_holds(args, f"--pipeline-schedule-file {path}" if path else f"--pipeline-schedule {name}",
-                            schedule, stage_layers)
+        given = f"--pipeline-schedule-file {path}" if path else f"--pipeline-schedule {name}" if reason is None else \
+            f"--pipeline-schedule {AUTO}'s choice {name} (weighed on equal stages)"
+        _check_budget_holds(args, given, schedule, stage_layers)
     return PipelinePlan(name, schedule, pp, dp, m, costs, options, reason, path, stage_layers, balanced)
 
 

@@ -238,6 +238,11 @@ def test_the_memory_budget_weighs_an_uneven_layout():
     with pytest.raises(ConfigError, match=r"v-auto holds up to 1.12 .* over --pipeline-memory-budget 0.5"):
         validate_pipeline_args(_args("--pipeline-schedule", "v-auto", "--pipeline-memory-budget", "0.5",
                                      "--pipeline-layout", "4,1,1,1,1,1,1,6", num_layers=16))
+    with pytest.raises(ConfigError, match=r"^--pipeline-schedule auto's choice v-half \(weighed on equal stages\) holds "
+                                          r"up to 1.62 .*; pass --pipeline-balance auto \(the layout planned within the "
+                                          r"budget\), or raise the budget$"):
+        validate_pipeline_args(_args("--pipeline-schedule", "auto", "--pipeline-memory-budget", "0.8",
+                                     "--pipeline-layout", "4,1,1,1,1,1,1,6", num_layers=16))
 
 
 def test_a_budget_beyond_two_plans_as_two_with_or_without_balance():
