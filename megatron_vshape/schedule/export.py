@@ -38,6 +38,8 @@ def to_dict(schedule: Schedule, sim: Optional[SimResult] = None) -> dict:
         extra["stage_costs"] = [c.to_dict() for c in schedule.stage_costs]
     if schedule.memory_budget is not None:
         extra["memory_budget"] = schedule.memory_budget
+    if schedule.meta.get("group"):  # 1f1b-interleaved's microbatch group: the papers' prediction reads it
+        extra["group"] = int(schedule.meta["group"])
     return {
         "schedule": schedule.name,
         "pp": schedule.pp,
@@ -66,6 +68,8 @@ def from_dict(data: dict) -> Schedule:
         costs = Costs(**{k: float(v) for k, v in data.get("costs", {}).items()})
         forward_only = data.get("forward_only", False) is True
         meta = {"forward_only": True} if forward_only else {}
+        if data.get("group") is not None:
+            meta["group"] = int(data["group"])
         stage_costs = None if data.get("stage_costs") is None else parse_stage_costs(data["stage_costs"], "stage_costs")
         budget = data.get("memory_budget")
         budget = None if budget is None else float(budget)

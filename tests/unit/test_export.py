@@ -28,6 +28,18 @@ def test_json_has_designs_keys_and_round_trips(name, tmp_path):
     assert data["makespan"] == sim.makespan and data["peak_vs_1f1b"] == sim.peak_vs_1f1b
     back = export.load_json(str(path))
     assert back.ranks == s.ranks and back.placement == s.placement and back.costs == s.costs
+    assert back.meta.get("group") == s.meta.get("group")  # interleaved's group: what the papers' prediction reads
+
+
+def test_the_interleaved_group_survives_an_export_and_so_does_its_prediction(tmp_path):
+    from megatron_vshape.cli import prediction_of
+
+    s = registry.build("1f1b-interleaved", 4, 12, chunks=3, group=6)
+    path = tmp_path / "grouped.json"
+    export.write(s, str(path), "json")
+    back = export.load_json(str(path))
+    assert back.meta["group"] == 6 and prediction_of(back) == prediction_of(s) != prediction_of(
+        registry.build("1f1b-interleaved", 4, 12, chunks=3))
 
 
 def test_loader_verifies_and_rejects_garbage(tmp_path):
