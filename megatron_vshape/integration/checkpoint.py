@@ -142,10 +142,12 @@ def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, s
     same_layout = common["checkpoint"]["layout"] == _layout()
     if load_rng and same_layout:
         request["rng_state"] = _rng_sharded(_rng_state())
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `Exception` misses it
+
     try:
         with _torch_dist_in_process():
             loaded, _, absent = dist_checkpointing.load(request, target, strict=StrictHandling.RETURN_ALL)
-    except Exception as e:  # only a checkpoint without checksums gets here damaged: one line, not a trace
+    except (Exception, CheckpointException) as e:  # only a checkpoint without checksums gets here damaged: one line
         raise ConfigError(f"checkpoint {target} cannot be read ({type(e).__name__}: {e}); it has no "
                           f"{integrity.MANIFEST} to tell which file is damaged; load another checkpoint") from None
     _agree(f"{target} has no {', '.join(sorted(absent)[:8])}{' ...' if len(absent) > 8 else ''} "
@@ -254,7 +256,8 @@ def _model_sizes(model_chunks) -> dict:
     sizes = {k: getattr(config, k, None) for k in _SIZES}
     sizes.update(vocab_size=getattr(model, "vocab_size", None),
                  tied_embeddings=bool(getattr(model, "share_embeddings_and_output_weights", False)),
-                 position_embedding_type=getattr(model, "position_embedding_type", None))
+                 position_embedding_type=getattr(model, "position_embedding_type", None),
+                 max_sequence_length=getattr(model, "max_sequence_length", None))  # learned positions' rows
     return sizes
 
 
@@ -271,7 +274,8 @@ def _incompatibility(target: str, common: dict, model_chunks, optimizer) -> Opti
         return (f"{target} is not a megatron_vshape checkpoint of format {FORMAT_VERSION} "
                 f"(found {None if not meta else meta.get('format_version')}); save it with this version")
     saved, mine = meta["model"], _model_sizes(model_chunks)
-    differ = [f"{k}={saved.get(k)} (this model: {mine[k]})" for k in mine if saved.get(k) != mine[k]]
+    # A size an older checkpoint did not record (max_sequence_length) is not compared.
+    differ = [f"{k}={saved[k]} (this model: {mine[k]})" for k in mine if k in saved and saved[k] != mine[k]]
     if differ:
         return f"{target} was saved for another model: {', '.join(differ)}; load it with the model sizes it was saved with"
     if optimizer is not None and meta["optimizer_type"] != _optimizer_type(optimizer):

@@ -42,7 +42,7 @@ from ..argtypes import Parser, quiet_megatron_notices
 from ..schedule.errors import ConfigError
 from . import gpu_defaults, rebalance, startup
 from .args import TE_MIN_FOR_SPLIT, _te_version, add_pipeline_arguments, validate_pipeline_args
-from .divergence import Counters, Diverged, json_safe
+from .divergence import Counters, Diverged, finite, json_safe
 from .divergence import add_arguments as add_divergence_arguments
 from .errors import report, say
 from .layout import given_split
@@ -659,8 +659,9 @@ def run(args, plan) -> dict:
         torch.cuda.reset_peak_memory_stats()
     history, metrics = [], []
     peaks = {"act": 0, "total": 0, "act_at_peak": 0, "buffers": 0}  # bytes, this rank, over the steps
-    window = {"time": 0.0, "iters": 0}
-    eval_round = 0
+    window = {"time": 0.0, "iters": 0, "loss": 0.0, "losses": 0}
+    # Validation batches continue where the saved run left them, as Megatron-LM's consumed_valid_samples do.
+    eval_round = start_iter // args.eval_interval if args.eval_interval else 0
     replanned, deferred = None, False
     # A checkpoint due at the re-balance's iteration is saved there, once its layout is known, so it records
     # the layout training goes on with (what a run resumed from it names: rebalance.resumed_past).
@@ -701,7 +702,10 @@ def run(args, plan) -> dict:
         loss = loss_sum / max(tokens, 1.0)
         lr = scheduler.optimizer.param_groups[0]["lr"]
         stop = counters.check_loss(it + 1, loss, lr)  # before the update: the weights stay finite
-        updated, grad_norm, _ = (False, None, None) if stop else optimizer.step()
+        # Unchecked (--no-check-for-nan-in-loss-and-grad), a non-finite loss skips the update too: megatron-core's
+        # fp32 and bf16 optimizers step whatever the gradients hold (only fp16's loss scaler skips by itself).
+        skip = stop or (not finite(loss) and not args.fp16)
+        updated, grad_norm, _ = (False, None, None) if skip else optimizer.step()
         stop = stop or counters.record(it + 1, loss, grad_norm, updated, lr)
         if stop:
             _summary(args, plan, history, peaks, rss0, device, counters, "diverged")
@@ -719,10 +723,14 @@ def run(args, plan) -> dict:
                         "grad_norm": grad_norm})
         window["time"] += iter_time
         window["iters"] += 1
+        if finite(loss):  # the logged loss is the interval's mean, as Megatron-LM's (non-finite ones left out)
+            window["loss"] += loss
+            window["losses"] += 1
         if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-            metrics.append(_log(args, it + 1, loss, grad_norm, window, figures, peaks, rss0, device, scheduler,
+            mean = window["loss"] / window["losses"] if window["losses"] else loss
+            metrics.append(_log(args, it + 1, mean, grad_norm, window, figures, peaks, rss0, device, scheduler,
                                 counters))
-            window = {"time": 0.0, "iters": 0}
+            window = {"time": 0.0, "iters": 0, "loss": 0.0, "losses": 0}
         if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
             evaluate(args, fb, chunks, data, it + 1, eval_round, dp_rank, device)
             eval_round += 1

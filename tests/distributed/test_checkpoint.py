@@ -150,13 +150,29 @@ def _job(rank, world_size, cases, root, save, errors):
 
 
 def _errors(world_size, root, saved):
-    """ConfigError on every rank: no checkpoint; a checkpoint of another model."""
-    from megatron_vshape.integration.checkpoint import load_checkpoint
+    """ConfigError on every rank: no checkpoint; a checkpoint of another model; a checkpoint without
+    checksums whose shard was cut short (torch's CheckpointException, a BaseException, passed by)."""
+    import glob
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_vshape.integration import ckpt_integrity
+    from megatron_vshape.integration.checkpoint import find_checkpoint, load_checkpoint
     from megatron_vshape.schedule.errors import ConfigError
 
+    damaged = os.path.join(root, "damaged-" + saved)
+    if dist.get_rank() == 0:
+        shutil.copytree(find_checkpoint(os.path.join(root, saved)), damaged)
+        os.remove(os.path.join(damaged, ckpt_integrity.MANIFEST))
+        shard = sorted(glob.glob(os.path.join(damaged, "*.distcp")))[0]
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    dist.barrier()
     messages = []
     for tiny, path in ((UNTIED, os.path.join(root, "nothing-here")),
-                       (TinyGPT(num_layers=4, hidden_size=48, seq_length=8), os.path.join(root, saved))):
+                       (TinyGPT(num_layers=4, hidden_size=48, seq_length=16), os.path.join(root, saved)),
+                       (UNTIED, damaged)):
         chunks = _setup(tiny, "1f1b", 1, world_size, M)
         opt, sched = _optimizer(chunks)
         try:
@@ -249,10 +265,12 @@ def test_resume_under_another_schedule_pp_and_tp(runs):
     saved, resumed, errors = runs
     failed = [case["id"] for case in CASES if not _check(case, saved, resumed)]
     assert not failed, failed
-    missing, other_model = errors
+    missing, other_model, damaged = errors
     assert missing and "no checkpoint to load at" in missing and "nothing-here" in missing, missing
     assert other_model and "num_layers=8 (this model: 4)" in other_model and "hidden_size=32 (this model: 48)" in other_model, other_model
-    print("errors:", missing, other_model, sep="\n  ")
+    assert "max_sequence_length=8 (this model: 16)" in other_model, other_model  # learned positions' rows
+    assert damaged and "cannot be read (CheckpointException" in damaged and "checksums.json" in damaged, damaged
+    print("errors:", missing, other_model, damaged, sep="\n  ")
 
 
 @pytest.mark.timeout(900)  # the launches, if this test runs first

@@ -28,19 +28,30 @@ def _pretrain(*argv):
                                                  if line.startswith("VSHAPE_METRICS "))}, run.stdout
 
 
+def _validation(out):
+    """{iteration: the printed validation loss}."""
+    return {int(line.split()[4]): line.split("lm loss value: ")[1].split()[0] for line in out.splitlines()
+            if line.startswith(" validation loss at iteration")}
+
+
 @pytest.mark.timeout(600)
 def test_v_half_run_resumes_under_1f1b_with_the_same_losses(tmp_path):
     save = str(tmp_path / "ckpt")
-    whole, _ = _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2")
+    # Validation every 2 iterations: the resumed run goes on with the validation batches the saved one
+    # would read next (it read round 0's again, so the same iteration gave another validation loss).
+    evals = ("--eval-interval", "2", "--eval-iters", "1")
+    whole, whole_out = _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2", *evals)
     assert sorted(whole) == [1, 2, 3, 4]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     middle = os.path.join(save, "iter_0000002")
     # torch_dist: metadata.json and the files' .metadata; the common state is in common.pt before
     # megatron-core 0.19.0, inside the torch_dist files from 0.19.0 on.
     assert os.path.isfile(os.path.join(middle, "metadata.json")) and os.path.isfile(os.path.join(middle, ".metadata"))
-    resumed, out = _pretrain("--pipeline-schedule", "1f1b", "--load", middle)
+    resumed, out = _pretrain("--pipeline-schedule", "1f1b", "--load", middle, *evals)
     assert "loaded checkpoint" in out
     print(f"v-half, uninterrupted: {[whole[i] for i in (1, 2, 3, 4)]}\n"
           f"1f1b resumed at 2:     {[resumed[i] for i in (3, 4)]}")
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == [whole[3], whole[4]]
+    assert sorted(_validation(whole_out)) == [2, 4] and list(_validation(out)) == [4]
+    assert _validation(out)[4] == _validation(whole_out)[4]
