@@ -929,6 +929,7 @@ def _summary(args, plan, history, peaks, rss0, device, counters, status=None):
         tflops = model_flops(args, args.global_batch_size * args.seq_length) / median_time / dist.get_world_size() / 1e12
     summary = {
         "status": status or counters.status(), "schedule": plan.name if plan else "none",
+        "schedule_options": plan.options if plan else None,  # what it was built with (v-auto's memory budget)
         "pp": args.pipeline_model_parallel_size,
         "tp": args.tensor_model_parallel_size, "dp": args.data_parallel_size, "world_size": dist.get_world_size(),
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,

@@ -103,6 +103,7 @@ class Run:
     measured_bubble_rate: Optional[float] = None
     measured_costs: Optional[dict] = None
     chunks: Optional[int] = None
+    schedule_options: Optional[dict] = None  # what the driver built the schedule with (v-auto's memory budget)
     speedup: Optional[float] = None  # tokens/s over 1F1B's, same group
     predicted_speedup: Optional[float] = None  # simulator with this run's measured costs
     prediction_note: str = ""
@@ -152,7 +153,8 @@ def _max(values) -> Optional[float]:
 
 _FIELDS = ("config_name", "schedule", "pp", "tp", "dp", "world_size", "num_layers", "hidden_size", "seq_length",
            "micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "first_loss", "final_loss",
-           "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "measured_bubble_rate", "measured_costs")
+           "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "measured_bubble_rate", "measured_costs",
+           "schedule_options")
 _ARG = re.compile(r"--(pipeline-schedule|config)[ =](\S+)")
 
 
@@ -246,7 +248,9 @@ def predicted_speedup(run: Run) -> Tuple[Optional[float], str]:
         costs = Costs(float(c["F"]), float(c["B"]), float(c.get("W") or 0.0), float(c.get("C") or 0.0))
     except (KeyError, TypeError, ValueError, ConfigError) as e:
         return None, f"measured_costs unusable: {e}"
-    options = {"chunks": run.chunks} if run.schedule == "1f1b-interleaved" and run.chunks else {}
+    options = dict(run.schedule_options or {})  # as trained: v-auto under its budget, interleaved's chunks
+    if run.schedule == "1f1b-interleaved" and run.chunks:
+        options.setdefault("chunks", run.chunks)
     try:
         mine = simulate(registry.build(run.schedule, run.pp, run.num_microbatches, costs, **options)).makespan
         base = simulate(registry.build(BASELINE, run.pp, run.num_microbatches, costs)).makespan
