@@ -83,7 +83,7 @@ def _check_machine(args) -> None:
     if getattr(args, "machine", None) and not getattr(args, "model", None):
         raise ConfigError(f"--machine {args.machine} prices the stage costs estimated from --model; give --model "
                           "FILE.yaml, or drop --machine")
-    if getattr(args, "vocab_size", None) and not getattr(args, "model", None):
+    if "model" in vars(args) and getattr(args, "vocab_size", None) and not args.model:  # (verify's is its own)
         raise ConfigError(f"--vocab-size {args.vocab_size} replaces the vocabulary of --model's shape; give --model "
                           "FILE.yaml, or drop --vocab-size")
 

@@ -15,7 +15,7 @@ MEMORY_KEYS = {"peak_reserved_bytes", "activations_at_peak_bytes", "pipeline_buf
 METRICS_KEYS = {"iteration", "train_iters", "loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
                 "mfu", "bubble_rate", "peak_activation_bytes", "peak_allocated_bytes", "skipped_iterations",
                 "nan_iterations"} | MEMORY_KEYS
-SUMMARY_KEYS = {"status", "schedule", "pp", "tp", "dp", "world_size", "num_layers", "hidden_size", "seq_length",
+SUMMARY_KEYS = {"status", "schedule", "schedule_options", "pp", "tp", "dp", "world_size", "num_layers", "hidden_size", "seq_length",
                 "micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "first_loss", "final_loss",
                 "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "peak_activation_bytes", "peak_allocated_bytes",
                 "measured_costs", "measured_bubble_rate", "config_name", "skipped_iterations", "nan_iterations"} | MEMORY_KEYS
