@@ -268,7 +268,8 @@ def compare_rows(pp: int, microbatches: int, costs: Costs, memory_budget: Option
     rows = []
     for name in registry.names() if names is None else names:
         row: dict = {"schedule": name}
-        options = {"memory_budget": memory_budget} if name == "v-auto" and memory_budget is not None else {}
+        budgeted = memory_budget is not None and registry.plans_under_budget(name)
+        options = {"memory_budget": memory_budget} if budgeted else {}
         try:
             schedule = registry.build(name, pp, microbatches, costs, stage_costs=stage_costs, **options)
         except ConfigError as exc:

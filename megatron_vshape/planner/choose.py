@@ -63,7 +63,7 @@ def candidates(pp: int, microbatches: int, costs: Optional[Costs], memory_budget
     out = []
     for name in registry.names():
         options = {}
-        if name == "v-auto":
+        if registry.plans_under_budget(name):
             if memory_budget < min_budget(pp) - 1e-12:
                 out.append((name, None, f"budget {memory_budget:g} is below V-Min's {min_budget(pp):.4g}"))
                 continue

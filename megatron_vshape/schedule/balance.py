@@ -314,7 +314,7 @@ def balance(model, name: str, pp: int, microbatches: int, costs: Optional[Costs]
     MIN_GAIN faster is chosen only when the incumbent exceeds the budget.  v-auto is planned at that
     budget (its generator's default without one): callers pass it once.  `flag`/`layers_flag`: how
     errors name the budget and the layer count."""
-    if name == "v-auto":
+    if registry.plans_under_budget(name):
         options = {**options, "memory_budget": memory_budget}
     plain = registry.build(name, pp, microbatches, costs, **options)  # the order an even run uses today
     placement = plain.placement
@@ -404,7 +404,7 @@ def compare_balanced(shape: ModelShape, pp: int, microbatches: int, costs: Optio
     a schedule that cannot serve the sizes gives its reason."""
     rows = []
     for name in names or registry.names():
-        if name == "v-auto" and memory_budget is None:  # planned at a budget: only when one is given
+        if registry.plans_under_budget(name) and memory_budget is None:  # planned at a budget: only when one is given
             continue
         try:
             b = balance(shape, name, pp, microbatches, costs, memory_budget, flag="--memory-budget",

@@ -25,7 +25,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 MARKERS = ("VSHAPE_RUN", "VSHAPE_METRICS", "VSHAPE_SUMMARY", "VSHAPE_EXIT")
 LOG_SUFFIXES = (".log", ".out", ".txt")
@@ -163,15 +163,8 @@ def _last_attempt(text: str) -> str:
     log (submit_grid.py, sbatch --open-mode=append), and an earlier attempt's summary must not stand for a
     later one that died, was killed or has not started."""
     lines = text.splitlines(keepends=True)
-    starts = [i for i, (marker, _) in _records_at(lines) if marker == "VSHAPE_RUN"]
+    starts = [i for i, line in enumerate(lines) if any(marker == "VSHAPE_RUN" for marker, _ in _records([line]))]
     return "".join(lines[starts[-1]:]) if starts else text
-
-
-def _records_at(lines: Sequence[str]):
-    """(line index, (marker, payload)) of each machine-readable line."""
-    for i, line in enumerate(lines):
-        for record in _records([line]):
-            yield i, record
 
 
 def parse_log(path: Path) -> Run:
