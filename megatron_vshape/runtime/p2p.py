@@ -85,12 +85,14 @@ def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] =
                     _GROUPS.setdefault(ranks, {})[(a, b, stream)] = group
                     new.append(group)
     _MADE[key] = (world, streams)
-    if dist.get_backend() == "nccl":
-        # NCCL creates a communicator at its first operation, blocking until the peer's first one:
-        # a receive posted ahead on one direction could then wait for a peer that itself waits on
-        # the other direction.  Initialise every group now, in the same global order on all ranks.
-        for group in new:
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
+    # NCCL creates a communicator at its first operation, blocking until the peer's first one: a
+    # receive posted ahead on one direction could then wait for a peer that itself waits on the
+    # other direction.  So every group is used once now, in the same global order on all ranks, on
+    # the device the step's tensors use: whatever the default group's backend string says
+    # ("nccl", "cpu:gloo,cuda:nccl", or none given), the backend that serves this device is the
+    # one initialised.  Where it needs no initialising (gloo), that costs one tiny all-reduce.
+    for group in new:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     return _GROUPS[key]
 
 
@@ -115,7 +117,10 @@ class P2P:
         self.expected = {src: deque(msgs) for src, msgs in expected.items()}
         self.posted: Dict[int, Deque[_PendingRecv]] = {src: deque() for src in expected}
         self.sends: List[Tuple[Message, int, object, torch.Tensor]] = []
-        self.gloo = dist.get_backend() == "gloo"
+        # CPU tensors go over gloo, whose wait() blocks the host and takes a timeout; device tensors over
+        # NCCL-like backends, whose wait() only orders streams (decided by the device, not by the
+        # default group's backend string, which may name several or none).
+        self.host_waits = torch.device(device).type == "cpu"
         for src in self.expected:
             self._post_next(src)
 
@@ -175,7 +180,7 @@ class P2P:
         self.sends = []
 
     def _wait(self, work, what: str) -> None:
-        if not self.gloo:
+        if not self.host_waits:
             # NCCL: wait() makes the current (compute) stream wait for the communication and
             # returns; the host never blocks here (see the module docstring for timeouts).
             work.wait()

@@ -208,8 +208,12 @@ def _stuck_job(rank, world_size):
     destroy_megatron()
 
 
-def test_stuck_receive_names_rank_op_and_peer():
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
+def test_stuck_receive_names_rank_op_and_peer(backend):
+    """Also when the default group's backend string is not plain "gloo" (init_process_group("cpu:gloo,cuda:nccl")
+    or with none given): the transport's waits follow the tensors' device, not that string."""
     with pytest.raises(LaunchError, match=r"rank 0 of 2 failed(.|\n)*P2PTimeout: rank 0: F0@3 waiting to receive "
                                           r"act0:2->3 from rank 1: nothing arrived within 2s "
                                           r"\(raise --pipeline-p2p-timeout"):  # the driver's flag
-        launch(_stuck_job, 2, timeout=240)  # the 2 s receive timeout runs once the ranks are ready
+        # The 2 s receive timeout runs once the ranks are ready; the groups' own timeout is far longer.
+        launch(_stuck_job, 2, timeout=240, backend=backend, pg_timeout=200)
