@@ -34,6 +34,7 @@ to the last pipeline rank, where Megatron-LM's train_step and evaluate reduce th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -257,26 +258,38 @@ def _embedding_ranks(script_fn: Optional[Callable]):
     return get_embedding_ranks
 
 
+def _te_split() -> bool:
+    """Whether the plan's B/W split applies to Transformer Engine layers (TE computes weight gradients in B
+    unless told to defer them, see _model_provider)."""
+    from megatron.training import get_args
+
+    return bool(_plan is not None and _plan.schedule.split_backward
+                and getattr(get_args(), "transformer_impl", None) == "transformer_engine")
+
+
+def _v_float16(wrapper):
+    """On the V, Megatron's fp16/bf16 wrapper would upcast the output of the last virtual stage of the last
+    pipeline rank: that is stage p, a middle one; only stage 2p-1 (rank 0's chunk 1) may return fp32."""
+    from ..runtime.chunks import VFloat16Module
+
+    return functools.partial(VFloat16Module, placement=_placement()) if _is_v() and wrapper is not None else wrapper
+
+
 def _get_model(orig):
     def get_model(model_provider_func, *args, **kwargs):
         if _plan is None:
             return orig(model_provider_func, *args, **kwargs)
         from megatron.training import get_args
 
-        margs = get_args()
-        te_split = _plan.schedule.split_backward and getattr(margs, "transformer_impl", None) == "transformer_engine"
+        margs, te_split = get_args(), _te_split()
         if not (_is_v() or te_split):
             return orig(model_provider_func, *args, **kwargs)
         provider = _model_provider(model_provider_func, _placement(), te_split)
         training = sys.modules[orig.__module__]
         float16 = getattr(training, "Float16Module", None)
         try:
-            if _is_v() and float16 is not None:
-                from ..runtime.chunks import VFloat16Module
-
-                # Megatron-LM upcasts the output of the last virtual stage of the last pipeline rank; on the V
-                # that is stage p, a middle one: only stage 2p-1 (rank 0's chunk 1) may return fp32.
-                training.Float16Module = functools.partial(VFloat16Module, placement=_placement())
+            if float16 is not None:
+                training.Float16Module = _v_float16(float16)
             return orig(provider, *args, **kwargs)
         finally:
             if float16 is not None:
@@ -418,9 +431,10 @@ def _get_batch_on_this_tp_rank(orig):
 
 def _build_model(orig):
     """GPTModelBuilder.build_model (core_v0.19 and main): the config-container path builds each virtual
-    stage with it and never calls get_model; on the V it gets get_model's V provider."""
+    stage with it and never calls get_model; it gets get_model's provider (V stages, TE split)."""
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
-        if not _is_v():
+        te_split = _te_split()
+        if not (_is_v() or te_split):
             return orig(self, pg_collection, pre_process, post_process, vp_stage)
         cfg = self._model_config
 
@@ -432,10 +446,37 @@ def _build_model(orig):
                 cfg.transformer = saved
 
         if "_vshape_provide" not in vars(self):  # one per builder: chunk 1 ties to chunk 0's embedding
-            # No TE split here: this path's DDP config comes from the config container, not from args.
-            self._vshape_provide = _model_provider(provider, _placement(), te_split=False)
-        return self._vshape_provide(vp_stage=vp_stage, config=cfg.transformer, pg_collection=pg_collection)
+            self._vshape_provide = _model_provider(provider, _placement(), te_split)
+        return self._vshape_provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                    config=cfg.transformer, pg_collection=pg_collection)
     return build_model
+
+
+def _build_distributed_models(orig):
+    """GPTModelBuilder.build_distributed_models (core_v0.19 and main): what get_model's hook does to the wrappers,
+    for the config-container path, whose wrapper and DDP config are arguments here rather than read from
+    training's globals and args: on the V the fp16/bf16 wrapper upcasts only stage 2p-1's output; with the TE
+    split Megatron's DDP takes the weight gradients from TE's hooks (delay_wgrad_compute)."""
+    signature = inspect.signature(orig)
+
+    def build_distributed_models(*args, **kwargs):
+        if _plan is None:
+            return orig(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        given["mixed_precision_wrapper"] = _v_float16(given.get("mixed_precision_wrapper"))
+        te_split = _te_split()
+        if te_split and given.get("ddp_config") is not None:
+            given["ddp_config"] = dataclasses.replace(given["ddp_config"], delay_wgrad_compute=True)
+        try:
+            return orig(*bound.args, **bound.kwargs)
+        finally:
+            if te_split:
+                from megatron.training import get_args
+
+                get_args().delay_wgrad_compute = False  # _model_provider sets it for get_model's DDP config
+    return build_distributed_models
 
 
 # (modules where Megatron-LM looks the function up: the first that has it is hooked, name, wrapper, needed)
@@ -449,6 +490,8 @@ HOOKS = (
     (("megatron.training.utils", "megatron.core.utils"), "get_batch_on_this_tp_rank", _get_batch_on_this_tp_rank,
      True),
     (("megatron.training.models.gpt",), "GPTModelBuilder.build_model", _build_model, False),  # core_v0.19 on
+    (("megatron.training.models.gpt",), "GPTModelBuilder.build_distributed_models", _build_distributed_models,
+     False),
 )
 
 

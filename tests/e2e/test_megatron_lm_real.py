@@ -20,6 +20,7 @@ gives typing a no-op `override` (a marker for type checkers; it changes no behav
 is imported.  The product never patches the standard library: on 3.11 install() refuses those releases
 with a line that asks for Python 3.12.  What passes here for core_v0.18, core_v0.19 and main is proven under that shim.
 """
+import math
 import os
 import subprocess
 import sys
@@ -115,7 +116,8 @@ def _rank(rank, world, argv, mlm, steps, lr, builder=False):
         else:
             model = training.get_model(partial(model_provider, gpt_builder), ModelType.encoder_or_decoder,
                                        wrap_with_ddp=False)
-        load_weights(model, 1234)
+        inner = [getattr(c, "module", c) for c in model]  # under --bf16/--fp16 each chunk is wrapped
+        load_weights(inner, 1234)
         tiny = TinyGPT(num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.padded_vocab_size,
                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
         # As this release's train() asks for it: with schedule_pg_collection from core_v0.19 on.
@@ -145,12 +147,13 @@ def _rank(rank, world, argv, mlm, steps, lr, builder=False):
         "padded_vocab": args.padded_vocab_size, "fb": getattr(forward_backward, "__name__", ""),
         "chunks": [{"pre": c.pre_process, "post": c.post_process,
                     "layers": [l.layer_number for l in c.decoder.layers],
-                    "output_weight_owned": c.post_process and c.output_layer.weight is not None} for c in model],
-        "tied_is_embedding": (model[1].shared_embedding_or_output_weight() is model[0].embedding.word_embeddings.weight
+                    "output_weight_owned": c.post_process and c.output_layer.weight is not None} for c in inner],
+        "wrappers": [type(c).__name__ for c in model],
+        "tied_is_embedding": (inner[1].shared_embedding_or_output_weight() is inner[0].embedding.word_embeddings.weight
                               if rank == 0 else None),
         "embedding_group": torch.distributed.get_process_group_ranks(embd) if embd is not None else None,
         "losses": losses if rank == world - 1 else None,
-        "params": sorted(n for c in model for n, _ in global_named_parameters(c)),
+        "params": sorted(n for c in inner for n, _ in global_named_parameters(c)),
     }
 
 
@@ -193,6 +196,26 @@ def test_v_half_through_the_model_builder_matches_unpipelined_model():
     if _checkout_release() < (0, 19):
         pytest.skip("this Megatron-LM builds its models with get_model only (the model builder came in core_v0.19)")
     _v_half_matches_unpipelined_model(builder=True)
+
+
+@pytest.mark.timeout(600)
+def test_bf16_through_the_model_builder_trains_as_through_get_model():
+    """core_v0.19 and main, --bf16: the builder path's fp16/bf16 wrapper is an argument, not training's global that
+    get_model's hook swaps; on the V it must upcast only stage 2p-1's output (rank 0's chunk 1), or rank p-1 sends
+    fp32 into a bf16 pipeline.  Both paths wrap alike and give the same bf16 losses."""
+    from megatron_vshape.integration.launch import launch
+
+    if _checkout_release() < (0, 19):
+        pytest.skip("this Megatron-LM builds its models with get_model only (the model builder came in core_v0.19)")
+    losses = {}
+    for builder in (False, True):
+        ranks = launch(_rank, 2, args=(ARGS + ["--pipeline-schedule", "v-half", "--bf16"], MLM, STEPS, LR, builder),
+                       timeout=280)
+        assert [r["wrappers"] for r in ranks] == [["VFloat16Module"] * 2] * 2, (builder, ranks)
+        losses[builder] = ranks[1]["losses"]
+    print(f"v-half pp=2 in bf16: losses through get_model {losses[False]}, through the builder {losses[True]}")
+    assert all(math.isfinite(l) for step in losses[False] for l in step)
+    assert losses[True] == losses[False]
 
 
 VALIDATE = SHIM + """

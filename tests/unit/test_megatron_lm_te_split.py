@@ -8,6 +8,7 @@ says delay_wgrad_compute, no config is ever constructed from args that say it, D
 and args are left as they were.
 """
 import argparse
+import dataclasses
 import sys
 import types
 
@@ -78,3 +79,63 @@ def test_without_w_or_without_te_nothing_changes(monkeypatch, megatron_lm_like, 
     built = []
     get_model(_provider(built))
     assert built == [False] and seen["ddp"] is False
+
+
+@dataclasses.dataclass
+class _DDPConfig:  # the field megatron-core's DistributedDataParallelConfig has (0.16 and 0.19)
+    delay_wgrad_compute: bool = False
+
+
+class _Float16Module:  # Megatron's fp16/bf16 wrapper: the default build_distributed_models is bound to
+    def __init__(self, config, module):
+        self.module = module
+
+
+class _GPTModelBuilder:
+    """core_v0.19's config-container path as GPTModelBuilder runs it (the real one needs CUDA): build_model per
+    stage from the builder's own TransformerConfig, then the fp16/bf16 wrapper and DDP config given as arguments,
+    never read from training's globals or from args."""
+
+    def __init__(self, config):
+        self._model_config = types.SimpleNamespace(transformer=config)
+        self.seen = {}
+
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        return types.SimpleNamespace(defers=self._model_config.transformer.delay_wgrad_compute)
+
+    def build_distributed_models(self, pg_collection, ddp_config=None, wrap_with_ddp=True,
+                                 mixed_precision_wrapper=_Float16Module):
+        model = [self.build_model(pg_collection, pre_process=True, post_process=True)]
+        self.seen = {"wrapper": mixed_precision_wrapper, "ddp": ddp_config.delay_wgrad_compute}
+        return model
+
+
+@pytest.fixture
+def builder_path(monkeypatch):
+    args = argparse.Namespace(transformer_impl="transformer_engine", delay_wgrad_compute=False)
+    monkeypatch.setitem(sys.modules, "megatron.training", types.SimpleNamespace(get_args=lambda: args))
+    cls = type("Builder", (_GPTModelBuilder,), {})
+    cls.build_model = megatron_lm._build_model(_GPTModelBuilder.build_model)
+    cls.build_distributed_models = megatron_lm._build_distributed_models(_GPTModelBuilder.build_distributed_models)
+    return args, cls(types.SimpleNamespace(delay_wgrad_compute=False))
+
+
+def test_builder_path_defers_te_wgrad_and_ddp_takes_their_hooks(monkeypatch, builder_path):
+    """The config-container path (core_v0.19 on) arranges what get_model's does: before, its TE layers computed
+    their weight gradients in B and the executor refused the run at the first step."""
+    args, builder = builder_path
+    monkeypatch.setattr(megatron_lm, "_plan", _plan("zb-h1"))
+    ddp = _DDPConfig()
+    model = builder.build_distributed_models(None, ddp_config=ddp)
+    assert [m.defers for m in model] == [True]
+    assert builder.seen == {"wrapper": _Float16Module, "ddp": True}  # not the V: Megatron's own wrapper
+    assert ddp.delay_wgrad_compute is False and args.delay_wgrad_compute is False  # the caller's left as they were
+
+
+@pytest.mark.parametrize("name,impl", [("1f1b", "transformer_engine"), ("zb-h1", "local")])
+def test_builder_path_without_w_or_without_te_nothing_changes(monkeypatch, builder_path, name, impl):
+    args, builder = builder_path
+    args.transformer_impl = impl
+    monkeypatch.setattr(megatron_lm, "_plan", _plan(name))
+    model = builder.build_distributed_models(None, ddp_config=_DDPConfig())
+    assert [m.defers for m in model] == [False] and builder.seen == {"wrapper": _Float16Module, "ddp": False}
