@@ -72,6 +72,11 @@ class WgradEntry:
         x = total_input.contiguous().view(-1, total_input.shape[-1])
         self.grad_output = self.input = self.held = total_input = None
         w = self.weight
+        if x.dtype != g.dtype:
+            # Forwards under autocast (config.enable_autocast) save the input uncast, while B's gradient
+            # is in the autocast dtype: megatron-core's backward, run under the forward's autocast, does
+            # this GEMM in that dtype; W runs outside autocast, so it casts as autocast would.
+            x = x.to(g.dtype)
         if self.fusion and hasattr(w, "main_grad"):
             fused = _apex_wgrad_kernel() if g.is_cuda else None
             if fused is not None:

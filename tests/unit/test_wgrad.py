@@ -139,3 +139,17 @@ def test_w_op_holds_one_weight_gradient_at_a_time(megatron_world, fused):
     # the product before adding it (apex's kernel on GPUs accumulates in place), the dummy exists since
     # the first W.  The W before #34 held four weights' worth and more (plain 262144 bytes, main_grad 327680).
     assert peak <= weight + weight // 8
+
+
+def test_w_after_an_autocast_forward_runs_the_gemm_in_the_gradient_dtype():
+    """Under config.enable_autocast the forward saves its input uncast (fp32) while B's gradient is bf16; megatron-core's
+    backward, under the forward's autocast, multiplies them in bf16.  W runs outside any autocast: before, it failed
+    with 'expected m1 and m2 to have the same dtype'; now it casts as autocast would and the fp32 weight gets the
+    gradient autograd would accumulate."""
+    weight = torch.nn.Parameter(torch.randn(3, 5))
+    grad_output = torch.randn(4, 2, 3, dtype=torch.bfloat16)
+    x = torch.randn(4, 2, 5)
+    wgrad.run([wgrad.WgradEntry(weight, grad_output, x, False, None, False)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the GEMM is under autocast
+        want = grad_output.reshape(-1, 3).t().matmul(x.reshape(-1, 5))
+    assert weight.grad.dtype == torch.float32 and torch.equal(weight.grad, want.float())
