@@ -80,8 +80,25 @@ def _parse_args(orig):
                 parser = extra_args_provider(parser)
             return add_pipeline_arguments(parser)
 
+        _refuse_yaml_with_a_schedule()
         return orig(provider, ignore_unknown_args)
     return parse_args
+
+
+def _refuse_yaml_with_a_schedule() -> None:
+    """--yaml-cfg replaces the parsed flags with the YAML's (core_v0.16-17 in parse_args) and is validated by
+    validate_yaml instead of validate_args, so --pipeline-schedule would be dropped without a word and Megatron's own
+    schedule run: refused from the command line before Megatron-LM parses it."""
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--yaml-cfg")
+    pre.add_argument("--pipeline-schedule")
+    given, _ = pre.parse_known_args(sys.argv[1:])
+    if given.yaml_cfg is not None and given.pipeline_schedule:
+        raise ConfigError(f"--yaml-cfg is not supported with --pipeline-schedule {given.pipeline_schedule}: "
+                          "Megatron-LM reads a YAML configuration in place of the command line and validates it "
+                          "without the schedule's checks; pass the model with flags instead")
 
 
 def _validate_args(orig):
@@ -94,9 +111,6 @@ def _validate_args(orig):
         if plan is None:
             _plan = None
             return orig(args, defaults)
-        if plan.schedule.placement.kind == "v" and getattr(args, "yaml_cfg", None) is not None:
-            raise ConfigError(f"--yaml-cfg is not supported with --pipeline-schedule {plan.name}: the V builds its "
-                              "chunks from Megatron-LM's flags; pass the model with flags instead")
         _check_megatron_lm_flags(args, plan)
         vp = plan.virtual_pipeline_model_parallel_size
         megatron_layout_args(args, plan.stage_layers, plan.schedule.placement)  # uneven: as Megatron's layout
@@ -136,10 +150,6 @@ def _check_megatron_lm_flags(args, plan) -> None:
         raise ConfigError("--overlap-moe-expert-parallel-comm is implemented inside Megatron's own 1F1B and "
                           f"interleaved schedules, which --pipeline-schedule {name} replaces: it would be silently "
                           f"lost; unset it {fix}")
-    if "full_iteration" in _cuda_graph_scopes(args):
-        raise ConfigError(f"--cuda-graph-scope full_iteration captures a whole iteration in one CUDA graph, which "
-                          f"would capture megatron_vshape's executor (its receives are posted and matched on the host "
-                          f"at run time); use per-layer scopes (attn, mlp, ...) or no CUDA graphs, {fix}")
     if plan.schedule.placement.kind == "v" and getattr(args, "ckpt_format", None) == "torch":
         raise ConfigError(f"--ckpt-format torch saves each rank's model chunks by position, and on the V chunk 1 of "
                           f"rank r holds stage {2 * plan.pp - 1}-r: a resume under another schedule or placement "
@@ -153,13 +163,32 @@ def _check_megatron_lm_flags(args, plan) -> None:
     if getattr(args, "delay_wgrad_compute", False):
         raise ConfigError(f"--delay-wgrad-compute is set by megatron_vshape itself where --pipeline-schedule {name} "
                           "splits the backward (Transformer Engine layers); unset it")
+    _check_replaced_schedule_features(args, plan)
     _check_rampup(args, plan)
 
 
-def _cuda_graph_scopes(args) -> set:
+def _check_replaced_schedule_features(args, plan) -> None:
+    """Features that megatron-core's own schedules drive at the end of each step, in every spelling Megatron-LM
+    accepts (--enable-cuda-graph and --external-cuda-graph are its deprecated --cuda-graph-impl local and
+    transformer_engine; from core_v0.18 a full-iteration graph is --cuda-graph-impl full_iteration)."""
+    fix = f"unset it, or drop --pipeline-schedule {plan.name} (Megatron's own schedules)"
+    impl = getattr(args, "cuda_graph_impl", None) or "none"
+    if getattr(args, "enable_cuda_graph", False):
+        impl = "local"
+    if getattr(args, "external_cuda_graph", False):
+        impl = "transformer_engine"
     scopes = getattr(args, "cuda_graph_scope", None) or []
     scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
-    return {getattr(s, "name", str(s)) for s in scopes}
+    if impl != "none" or "full_iteration" in {getattr(s, "name", str(s)) for s in scopes}:
+        raise ConfigError(f"CUDA graphs (--cuda-graph-impl {impl}) are not supported with --pipeline-schedule "
+                          f"{plan.name}: megatron-core's own schedules create the per-layer graphs at the end of each "
+                          "step and Transformer Engine captures them in Megatron's schedule order, while a "
+                          "full-iteration graph would capture megatron_vshape's executor, whose receives are matched "
+                          f"on the host at run time; {fix}")
+    if getattr(args, "fine_grained_activation_offloading", False):
+        raise ConfigError(f"--fine-grained-activation-offloading is reset by megatron-core's own schedules at the end "
+                          f"of each step, which --pipeline-schedule {plan.name} replaces (offloading would stay in its "
+                          f"warm-up and keep a handler per forward); {fix}")
 
 
 def _check_rampup(args, plan) -> None:

@@ -1,6 +1,6 @@
 """Megatron-LM flags that pass Megatron-LM's validation and then go wrong under a megatron_vshape schedule
 (#35 item 4): each works, or is refused at argument validation with the reason and the fix.  Against the
-stand-in always, and against a real Megatron-LM checkout (core_v0.16.1) when MEGATRON_LM_PATH is set.
+stand-in always, and against a real Megatron-LM checkout (core_v0.16.1 to core_v0.19.0) when MEGATRON_LM_PATH is set.
 Also bf16 through Megatron-LM's Float16Module on the V (#35 item 3), on the stand-in."""
 import json
 import os
@@ -32,6 +32,12 @@ CASES = {
     "no-overlap-p2p at pp=2": (V + ["--no-overlap-p2p-communication"], None),
     "full-iteration graph": (V + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
                              "would capture megatron_vshape's executor"),
+    "per-layer graphs": (V + ["--cuda-graph-impl", "local"], "CUDA graphs (--cuda-graph-impl local) are not supported"),
+    "per-layer graphs, deprecated flag": (V + ["--enable-cuda-graph"], "(--cuda-graph-impl local) are not supported"),
+    "te graphs": (["--pipeline-schedule", "1f1b", "--cuda-graph-impl", "transformer_engine"],
+                  "(--cuda-graph-impl transformer_engine) are not supported with --pipeline-schedule 1f1b"),
+    "activation offloading": (V + ["--fine-grained-activation-offloading"], "reset by megatron-core's own schedules"),
+    "yaml config": (V + ["--yaml-cfg", "model.yaml"], "--yaml-cfg is not supported with --pipeline-schedule v-half"),
     "moe ep overlap": (V + ["--overlap-moe-expert-parallel-comm"], "silently lost"),
     "torch checkpoints on the V": (V + ["--ckpt-format", "torch"], "use --ckpt-format torch_dist"),
     "te userbuffers with W": (V + ["--tp-comm-overlap"], "unset --tp-comm-overlap"),
@@ -67,7 +73,7 @@ def test_each_flag_works_or_is_refused_at_validation_standin():
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not MLM or not (Path(MLM or ".") / "pretrain_gpt.py").is_file(),
-                    reason="MEGATRON_LM_PATH is not set to a Megatron-LM checkout (core_v0.16.1)")
+                    reason="MEGATRON_LM_PATH is not set to a Megatron-LM checkout (core_v0.16.1 to core_v0.19.0)")
 def test_each_flag_works_or_is_refused_at_validation_real_checkout():
     _check(_validate(MLM, REAL))
 

@@ -19,14 +19,14 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         ("--pipeline-model-parallel-layout", str, None),
         ("--train-iters", int, 1), ("--train-samples", int, None), ("--lr", float, 0.0), ("--seed", int, 1234),
         ("--distributed-backend", str, "gloo"), ("--transformer-impl", str, "local"),
-        ("--cuda-graph-impl", str, "none"), ("--ckpt-format", str, "torch_dist"),
+        ("--cuda-graph-impl", str, "none"), ("--ckpt-format", str, "torch_dist"), ("--yaml-cfg", str, None),
     ):
         g.add_argument(flag, type=kind, default=default)
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None)
     g.add_argument("--cuda-graph-scope", nargs="+", default=[])
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     for flag in ("--overlap-moe-expert-parallel-comm", "--tp-comm-overlap", "--delay-wgrad-compute", "--bf16",
-                 "--decrease-batch-size-if-needed"):
+                 "--decrease-batch-size-if-needed", "--fine-grained-activation-offloading", "--enable-cuda-graph"):
         g.add_argument(flag, action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
