@@ -37,7 +37,7 @@ from ..schedule import registry
 from ..schedule.comm import ACT, Message, channel_streams, channels, input_message, is_remote, rank_plan
 from ..schedule.errors import ConfigError
 from ..schedule.ops import B, BW, F, W, Costs, Schedule
-from ..schedule.verify import forward_only_view, verify
+from ..schedule.verify import forward_only_order, forward_only_view, verify
 from . import compat, wgrad
 from .microbatch_data import bind, for_op
 from .p2p import P2P, local_activation, tensor_shape
@@ -82,21 +82,39 @@ class _Executor:
     def _plan(self, pp: int, m: int, forward_only: bool, rank: int):
         key = (pp, m, forward_only, rank)
         if key not in self._cache:
-            if isinstance(self.schedule, str):
-                measured = {} if self.stage_costs is None else {"stage_costs": self.stage_costs}
-                sched = registry.build(self.schedule, pp, m, self.costs, **measured, **self.schedule_options)
+            if not forward_only:
+                sched = self._training(pp, m)
             else:
-                sched = self.schedule
-                if sched.pp != pp or sched.microbatches != m:
-                    raise ConfigError(
-                        f"schedule {sched.name!r} was built for pp={sched.pp}, microbatches={sched.microbatches}, "
-                        f"but this step runs pp={pp}, num_microbatches={m}; build it for these sizes or pass its name")
-                verify(sched)
-            if forward_only:
-                sched = verify(forward_only_view(sched), forward_only=True)
+                try:
+                    sched = verify(forward_only_view(self._training(pp, m)), forward_only=True)
+                except ConfigError:
+                    # Evaluation at a count the training schedule cannot run (Megatron-LM's
+                    # --eval-micro-batch-size/--eval-global-batch-size, a plan made for one count): its
+                    # forward ops in pipeline order, on the same placement.
+                    sched = verify(forward_only_order(self._placed(pp), m), forward_only=True)
             chans = channels(sched)
             self._cache[key] = (sched, rank_plan(sched, rank, chans), chans, channel_streams(sched))
         return self._cache[key]
+
+    def _training(self, pp: int, m: int) -> Schedule:
+        if isinstance(self.schedule, str):
+            measured = {} if self.stage_costs is None else {"stage_costs": self.stage_costs}
+            return registry.build(self.schedule, pp, m, self.costs, **measured, **self.schedule_options)
+        sched = self.schedule
+        if sched.pp != pp or sched.microbatches != m:
+            raise ConfigError(
+                f"schedule {sched.name!r} was built for pp={sched.pp}, microbatches={sched.microbatches}, "
+                f"but this step runs pp={pp}, num_microbatches={m}; build it for these sizes or pass its name")
+        return verify(sched)
+
+    def _placed(self, pp: int) -> Schedule:
+        """A training schedule at pp, for its placement: the one given, or the named one at 4p microbatches
+        (a multiple of p, at least 2p: a count every registered schedule runs)."""
+        if isinstance(self.schedule, str):
+            return self._training(pp, 4 * pp)
+        if self.schedule.pp != pp:
+            self._training(pp, self.schedule.microbatches)  # the error that names both sizes
+        return self.schedule
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
                  decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,

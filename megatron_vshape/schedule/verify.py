@@ -103,6 +103,25 @@ def verify(schedule: Schedule, forward_only: bool = False) -> Schedule:
     return schedule
 
 
+def forward_only_order(schedule: Schedule, microbatches: int) -> Schedule:
+    """Forward ops only, for `microbatches` microbatches on `schedule`'s placement, each rank's in the
+    order they would start in a pipeline of equal forward times (microbatch + stage, then stage):
+    evaluation at a count the training schedule cannot run (too few microbatches for its memory
+    limit, or an order planned for one count).  Every op waits only for ops of a smaller
+    microbatch + stage, and each channel carries its messages in that order, so it cannot deadlock;
+    forward-only holds no activation from one op to the next, so no memory limit applies."""
+    placement = schedule.placement
+    ranks: List[List[Op]] = [[] for _ in range(placement.pp)]
+    for mb in range(microbatches):
+        for stage in range(placement.num_stages):
+            ranks[placement.rank_of(stage)].append(Op(F, mb, stage))
+    for ops in ranks:
+        ops.sort(key=lambda op: (op.microbatch + op.stage, op.stage))
+    meta = {**schedule.meta, "forward_only": True, "plan": "forward ops in pipeline order"}
+    return Schedule(schedule.name, placement, microbatches, schedule.costs, ranks, meta, schedule.stage_costs,
+                    schedule.memory_budget)
+
+
 def forward_only_view(schedule: Schedule) -> Schedule:
     """The same schedule with backward ops removed (evaluation runs forward ops only).
     meta["forward_only"] marks it, so an export of it reads back as forward-only."""

@@ -78,6 +78,13 @@ def _job(rank, world_size, m):
                                     forward_only=True, collect_non_loss_data=True)
         res["non_loss"] = [d["first"] for d in data]
 
+        # evaluation with one microbatch, a count the fixed schedule was not built for: the forward ops in
+        # pipeline order on its placement (Megatron-LM's --eval-global-batch-size may give any count)
+        with torch.no_grad():
+            one = _fb(name, sched)(forward_step_func=forward_step, data_iterator=_iters(chunks, 1), model=chunks,
+                                   num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+        res["eval_one"] = [d["loss"].item() for d in one]
+
         # per-token loss, grad_scale_func, finalize/grad-sync/param-sync callbacks
         cfg = _config()
         cfg.calculate_per_token_loss = True
@@ -111,6 +118,13 @@ def _job(rank, world_size, m):
         res["grads"] = {k: _grad(p) for c in chunks for k, p in _names(c).items()}
         if rank == 0:  # megatron-core's layers need the parallel state of a launched rank
             res["reference"] = reference(sched.num_stages, m)
+    # v-half cannot hold one microbatch under its memory limit at pp=3 (its build refuses it): evaluating one still runs
+    v_half = build("v-half", world_size, m)
+    chunks = _chunks(v_half, rank, _config())
+    with torch.no_grad():
+        one = _fb("v-half", v_half)(forward_step_func=forward_step, data_iterator=_iters(chunks, 1), model=chunks,
+                                    num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+    out["v-half eval_one"] = [d["loss"].item() for d in one]
     out["misuse"] = _misuse(rank, world_size, m)
     destroy_megatron()
     return out
@@ -147,6 +161,8 @@ def test_contract(pp):
         assert one_chunk and "places 2 model chunk(s) per rank" in one_chunk
         assert other_sizes and f"microbatches={m + 1}" in other_sizes and f"num_microbatches={m}" in other_sizes
         assert one_no_sync and "pass a list with one per chunk" in one_no_sync
+    torch.testing.assert_close(torch.tensor(jobs[pp - 1]["v-half eval_one"]),
+                               torch.tensor(jobs[0]["v-zb"]["reference"][0][:1]), rtol=1e-6, atol=0)
     for name in SCHEDULES:
         ref_losses, ref_grads = jobs[0][name]["reference"]
         last = jobs[pp - 1][name]
@@ -154,6 +170,8 @@ def test_contract(pp):
             assert jobs[r][name]["eval_losses"] == [] and jobs[r][name]["non_loss"] == []
             assert jobs[r][name]["token_losses"] == []
         torch.testing.assert_close(torch.tensor(last["eval_losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(last["eval_one"]), torch.tensor(ref_losses[:1]), rtol=1e-6, atol=0)
+        assert all(jobs[r][name]["eval_one"] == [] for r in range(pp - 1))
         assert len(last["non_loss"]) == m
         elems = SEQ * MBS * HIDDEN
         torch.testing.assert_close(torch.tensor(last["token_losses"]), torch.tensor(ref_losses) * elems,

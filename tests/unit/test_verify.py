@@ -86,3 +86,28 @@ def test_forward_only_view():
     s = forward_only_view(one_f_one_b(3, 4))
     assert problems(s, forward_only=True) == []
     assert problems(one_f_one_b(3, 4), forward_only=True) != []
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-interleaved", "v-half", "zb-h1"])
+def test_forward_only_order_runs_any_count_on_the_schedule_placement(name):
+    """Evaluation at a count the training schedule cannot run: every microbatch's forward ops, each rank's in
+    pipeline order, verified deadlock-free under the channels' FIFO order, on single, loop and V placements."""
+    from megatron_vshape.schedule import registry
+    from megatron_vshape.schedule.simulate import simulate
+    from megatron_vshape.schedule.verify import forward_only_order
+
+    for pp in (2, 3, 4, 5):
+        base = registry.build(name, pp, 4 * pp, Costs(1, 1, 1, 0))
+        S = base.placement.num_stages
+        one = simulate(forward_only_order(base, 1)).makespan  # one microbatch through the S stages
+        for m in (1, 2, pp + 1, 3 * pp):
+            s = forward_only_order(base, m)
+            assert problems(s, forward_only=True) == [], (pp, m)
+            assert s.placement == base.placement and s.microbatches == m
+            assert sorted(str(op) for ops in s.ranks for op in ops) == sorted(
+                f"F{mb}@{st}" for mb in range(m) for st in range(base.placement.num_stages))
+            # a pipeline: with one stage a rank, m + S - 1 forwards long (it fills, then never waits); with c stages
+            # a rank, whose ops of one time step take turns, at most c times that
+            f, chunks = one / S, base.placement.chunks
+            ms = simulate(s).makespan
+            assert ms == pytest.approx((m + S - 1) * f) if chunks == 1 else m * chunks * f <= ms <= chunks * (m + S - 1) * f
