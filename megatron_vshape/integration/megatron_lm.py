@@ -154,7 +154,7 @@ def _check_megatron_lm_flags(args, plan) -> None:
         raise ConfigError(f"--ckpt-format torch saves each rank's model chunks by position, and on the V chunk 1 of "
                           f"rank r holds stage {2 * plan.pp - 1}-r: a resume under another schedule or placement "
                           "fails late with mismatched keys; use --ckpt-format torch_dist (keys by global layer "
-                          "number, resumable under any schedule)")
+                          "number: the model resumes under any schedule)")
     if split and getattr(args, "tp_comm_overlap", False):
         raise ConfigError(f"--tp-comm-overlap (Transformer Engine's userbuffer communication) cannot run with "
                           f"--pipeline-schedule {name}: its B/W split defers TE's weight gradients, which TE does not "
@@ -261,6 +261,16 @@ def _announce(plan, args) -> None:
               f"{placement.chunks} chunk(s) per rank, {plan.num_microbatches} microbatches"
               + (f", layers per stage {describe(plan.stage_layers, placement)}" if plan.stage_layers else "")
               + (f"\n{plan.balance}" if plan.balance else ""), flush=True)
+        if placement.kind == "v" and getattr(args, "use_distributed_optimizer", False) \
+                and getattr(args, "save", None) and not getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+            # Megatron-LM's default distributed-optimizer format (dp_reshardable) stores the optimizer state by
+            # gradient-buffer position, which differs between the V and Megatron's placements of the same
+            # layers; Megatron-LM checks only tp and pp sizes when it loads.
+            print("megatron_vshape: checkpoints of this run keep the distributed optimizer's state by the V's "
+                  "layer placement: they resume under V schedules with the same layers per stage; to resume them under another "
+                  "placement or layout "
+                  "(1f1b, 1f1b-interleaved, Megatron's own schedules), also pass --dist-ckpt-optim-fully-reshardable",
+                  flush=True)
 
 
 def _initialize_megatron(orig):

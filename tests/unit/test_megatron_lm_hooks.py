@@ -154,3 +154,17 @@ def test_a_ramp_is_checked_at_every_batch_size_it_reaches():
     with pytest.raises(ConfigError, match=r"reaches 6 samples = 6 microbatches, which --pipeline-schedule "
                                           r"1f1b-interleaved cannot run \(.*last group of 2 < pp=4"):
         megatron_lm._check_rampup(_ramp_args(flags, 4, 2), plan)
+
+
+@pytest.mark.parametrize("flags,said", [({"use_distributed_optimizer": True, "save": "ckpt"}, True),
+                                        ({"use_distributed_optimizer": True, "save": "ckpt",
+                                          "dist_ckpt_optim_fully_reshardable": True}, False),
+                                        ({"use_distributed_optimizer": False, "save": "ckpt"}, False)])
+def test_distributed_optimizer_checkpoints_on_the_v_say_where_they_resume(v_plan, capsys, flags, said):
+    """Megatron-LM's default distributed-optimizer state (dp_reshardable) is by gradient-buffer position, which the
+    V's placement changes; its load checks only tp and pp sizes, so the start-up line says what resumes where."""
+    import argparse
+
+    megatron_lm._announce(v_plan, argparse.Namespace(rank=0, **flags))
+    out = capsys.readouterr().out
+    assert ("--dist-ckpt-optim-fully-reshardable" in out) == said, out
