@@ -160,6 +160,13 @@ def _check_megatron_lm_flags(args, plan) -> None:
                           f"--pipeline-schedule {name}: its B/W split defers TE's weight gradients, which TE does not "
                           "support with userbuffers (it raises); unset --tp-comm-overlap, or use a schedule without "
                           "W (1f1b, 1f1b-interleaved)")
+    fsdp = [flag for flag, attr in (("--use-megatron-fsdp", "use_megatron_fsdp"), ("--use-torch-fsdp2", "use_torch_fsdp2"))
+            if getattr(args, attr, False)]
+    if fsdp:
+        raise ConfigError(f"{fsdp[0]} is not supported with --pipeline-schedule {name}: the executor drives gradient "
+                          "and parameter sync through megatron-core's DistributedDataParallel (no_sync, grad_sync_func, "
+                          "param_sync_func), and on the V chunk 1 of rank 0 borrows the embedding's weight from chunk 0, "
+                          f"which FSDP would shard as two units; use --use-distributed-optimizer instead, {fix}")
     if getattr(args, "delay_wgrad_compute", False):
         raise ConfigError(f"--delay-wgrad-compute is set by megatron_vshape itself where --pipeline-schedule {name} "
                           "splits the backward (Transformer Engine layers); unset it")

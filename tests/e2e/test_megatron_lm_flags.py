@@ -38,6 +38,7 @@ CASES = {
                   "(--cuda-graph-impl transformer_engine) are not supported with --pipeline-schedule 1f1b"),
     "activation offloading": (V + ["--fine-grained-activation-offloading"], "reset by megatron-core's own schedules"),
     "yaml config": (V + ["--yaml-cfg", "model.yaml"], "--yaml-cfg is not supported with --pipeline-schedule v-half"),
+    "megatron fsdp": (V + ["--use-megatron-fsdp"], "--use-megatron-fsdp is not supported with --pipeline-schedule"),
     "moe ep overlap": (V + ["--overlap-moe-expert-parallel-comm"], "silently lost"),
     "torch checkpoints on the V": (V + ["--ckpt-format", "torch"], "use --ckpt-format torch_dist"),
     "te userbuffers with W": (V + ["--tp-comm-overlap"], "unset --tp-comm-overlap"),

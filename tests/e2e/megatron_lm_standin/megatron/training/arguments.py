@@ -26,7 +26,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     g.add_argument("--cuda-graph-scope", nargs="+", default=[])
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     for flag in ("--overlap-moe-expert-parallel-comm", "--tp-comm-overlap", "--delay-wgrad-compute", "--bf16",
-                 "--decrease-batch-size-if-needed", "--fine-grained-activation-offloading", "--enable-cuda-graph"):
+                 "--decrease-batch-size-if-needed", "--fine-grained-activation-offloading", "--enable-cuda-graph",
+                 "--use-megatron-fsdp"):
         g.add_argument(flag, action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
