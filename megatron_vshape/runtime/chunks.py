@@ -185,6 +185,14 @@ def chunk_config(config, placement: Placement, stage_layers: Optional[Sequence[i
 SpecArg = Union[object, Callable[..., object]]
 
 
+def _is_factory(spec) -> bool:
+    """A `(config, vp_stage) -> spec` callable, not a spec: megatron-core's ModuleSpec defines __call__ too
+    (it builds the module), so `callable` alone would build a layer from (config, vp_stage) and fail."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return callable(spec) and not isinstance(spec, ModuleSpec)
+
+
 def build_model_chunks(
     config,
     placement: Placement,
@@ -229,7 +237,7 @@ def build_model_chunks(
     chunks = []
     for chunk, stage in enumerate(placement.stages_of(pp_rank)):
         vp_stage = chunk if placement.chunks > 1 else None
-        spec = transformer_layer_spec(config, vp_stage) if callable(transformer_layer_spec) else transformer_layer_spec
+        spec = transformer_layer_spec(config, vp_stage) if _is_factory(transformer_layer_spec) else transformer_layer_spec
         chunks.append(
             GPTModel(
                 config=config,

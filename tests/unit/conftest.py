@@ -38,3 +38,17 @@ search._plan = SessionPlans(search._plan.__wrapped__)
 def _session_plans_back_after_each_test():
     yield
     search._plan.end_test()
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    """megatron-core's parallel state on a world of one gloo rank, for a module's tests."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

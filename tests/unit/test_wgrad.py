@@ -8,19 +8,6 @@ from megatron_vshape.runtime import wgrad
 from megatron_vshape.schedule.ops import Op
 
 
-@pytest.fixture(scope="module")
-def megatron_world(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _layers():
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
