@@ -1,6 +1,11 @@
 """The GPU check: what CPU tests cannot see, on the GPUs at hand, in minutes and offline.
 
     .venv/bin/python scripts/gpu_check.py            # one table; exit 1 if any check failed
+    python3 scripts/gpu_check.py --require-gpu       # on a GPU machine: no CUDA device is a failure
+
+Each row is also printed as it finishes (a run killed at its time limit keeps what it found).
+On a lent machine without megatron-core (Python 3.12, a CUDA torch), carry its wheel: README,
+"The GPU check", has the two commands.
 
 One GPU: the B/W split against megatron-core's fused backward for a GPT layer (local layers,
 bf16 and fp16, with and without gradient-accumulation fusion, inside megatron-core's DDP with
@@ -39,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds for each multi-process run")
     ap.add_argument("--timing-hidden", type=int, default=4096, help="hidden size of the B + W timing")
     ap.add_argument("--schedules", nargs="*", default=None, help="schedules of the multi-GPU part (default: all)")
+    ap.add_argument("--require-gpu", action="store_true",
+                    help="fail at once when no CUDA device is usable (a GPU machine's check must not pass on CPU)")
     args = ap.parse_args(argv)
 
     from megatron_vshape.argtypes import quiet_megatron_notices
@@ -48,7 +55,12 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.is_available()
     started = time.monotonic()
-    rows: List[Row] = [environment(gpu), guarded("every schedule deadlock-free under NCCL's ordering", nccl_ordering)]
+    if args.require_gpu and not gpu:
+        print_table([("CUDA device", FAIL, f"none usable (torch {torch.__version__}, --require-gpu)")], 0.0)
+        return 1
+    rows: List[Row] = [guarded("environment", lambda: environment(gpu)),
+                       guarded("every schedule deadlock-free under NCCL's ordering (the verifier's model)",
+                               nccl_ordering)]
     with world_of_one(gpu):
         rows += split_rows(gpu)
         rows += [guarded("time: B + W vs fused backward (bf16, hidden %d)" % args.timing_hidden,
@@ -74,7 +86,14 @@ def guarded(name: str, check: Callable[[], Tuple[str, str]]) -> Row:
         status, result = check()
     except Exception as exc:  # noqa: BLE001 - the table reports it
         status, result = FAIL, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-    return name, status, result
+    return report((name, status, result))
+
+
+def report(row: Row) -> Row:
+    """A finished row, printed at once (to stderr: the table on stdout stays one table), so a run killed
+    at its time limit keeps what it found."""
+    print(f"gpu_check: {row[0]}: {row[1]}: {row[2]}", file=sys.stderr, flush=True)
+    return row
 
 
 def print_table(rows: List[Row], seconds: float) -> None:
@@ -88,7 +107,7 @@ def print_table(rows: List[Row], seconds: float) -> None:
           f"{sum(s == SKIP for _, s, _ in rows)} skipped ({seconds:.0f} s)")
 
 
-def environment(gpu: bool) -> Row:
+def environment(gpu: bool) -> Tuple[str, str]:
     import torch
     from megatron.core.package_info import __version__ as mcore
 
@@ -104,7 +123,7 @@ def environment(gpu: bool) -> Row:
     else:
         parts.insert(0, "no CUDA device (CPU: plumbing only)")
     parts.append(f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}")
-    return "environment", OK, ", ".join(parts)
+    return OK, ", ".join(parts)
 
 
 class world_of_one:
@@ -242,26 +261,35 @@ def _finish(model):
         model.finish_grad_sync()
 
 
-def backward_fused_and_split(model, batch):
-    """Gradients of one microbatch: megatron-core's backward, then B (input gradients) + W."""
+def backward_fused_and_split(model, batch, autocast: bool = False):
+    """Gradients of one microbatch: megatron-core's backward, then B (input gradients) + W; the forwards
+    under CUDA autocast (bf16) if asked, as megatron-core's forward_step runs them with enable_autocast."""
+    import contextlib
+
+    import torch
+
     from megatron_vshape.runtime import wgrad
 
+    cast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     _zero(model)
-    _loss(model, batch).backward()
+    with cast():
+        loss = _loss(model, batch)
+    loss.backward()
     _finish(model)
     fused = _grads(model)
     wgrad.install(model)
     _zero(model)
-    with wgrad.split_forward(True):
+    with wgrad.split_forward(True), cast():
         loss = _loss(model, batch)
     entries: list = []
     with wgrad.collect(entries):
         loss.backward()  # B
     if not entries:
         raise RuntimeError("B deferred no weight gradient: the split is not active")
-    wgrad.run(entries)  # W
+    deferred = len(entries)
+    wgrad.run(entries)  # W (empties the list)
     _finish(model)
-    return fused, _grads(model), len(entries)
+    return fused, _grads(model), deferred
 
 
 def compare_grads(fused, split) -> float:
@@ -292,13 +320,16 @@ def split_rows(gpu: bool) -> List[Row]:
                 rows.append((name, SKIP, "apex's fused_weight_gradient_mlp_cuda absent"))
                 continue
             rows.append(guarded(name, lambda d=dtype, f=fusion: _split_case(True, d, f)))
+    # fp32 weights under torch.autocast (config.enable_autocast): B's gradient is bf16, the input W keeps is not
+    rows.append(guarded("B + W = fused backward (fp32 weights, bf16 autocast)",
+                        lambda: _split_case(True, "fp32", False, autocast=True)))
     return rows
 
 
-def _split_case(gpu: bool, dtype: str, fusion: bool) -> Tuple[str, str]:
+def _split_case(gpu: bool, dtype: str, fusion: bool, autocast: bool = False) -> Tuple[str, str]:
     hidden, seq, vocab = (1024, 512, 1024) if gpu else (64, 16, 128)
     model, _ = _gpt(gpu, dtype, hidden, 2, seq, vocab, grad_acc_fusion=fusion)
-    fused, split, deferred = backward_fused_and_split(model, _batch(gpu, seq, vocab))
+    fused, split, deferred = backward_fused_and_split(model, _batch(gpu, seq, vocab), autocast)
     worst = compare_grads(fused, split)
     status = OK if worst <= GRAD_TOLERANCE else FAIL
     return status, (f"{len(fused)} gradients, {deferred} weight GEMMs deferred to W; "
@@ -450,15 +481,15 @@ def multi_gpu_rows(gpu: bool, args) -> List[Row]:
                "no CUDA device")
         rows: List[Row] = [("verify every schedule at pp=2 over NCCL; driver iterations per schedule", SKIP, why)]
         if not gpu:  # the same commands over gloo, once, to prove their plumbing
-            rows.append(verify_row("v-half", 2, "gloo", args.timeout))
-            rows.append(train_row("v-half", 2, False, args.timeout))
+            rows.append(report(verify_row("v-half", 2, "gloo", args.timeout)))
+            rows.append(report(train_row("v-half", 2, False, args.timeout)))
         return rows
     rows = []
     for pp in (2, 4) if n >= 4 else (2,):
-        rows += [verify_row(s, pp, "nccl", args.timeout) for s in schedules]
+        rows += [report(verify_row(s, pp, "nccl", args.timeout)) for s in schedules]
     if n < 4:
         rows.append(("verify at pp=4 over NCCL", SKIP, f"needs 4 GPUs, found {n}"))
-    rows += [train_row(s, 2, True, args.timeout) for s in schedules]
+    rows += [report(train_row(s, 2, True, args.timeout)) for s in schedules]
     return rows
 
 

@@ -25,7 +25,7 @@ def test_gpu_check_on_cpu_proves_its_plumbing_and_skips_the_gpu_parts():
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if "  ok  " in line or "  skipped  " in line
             or "  FAIL  " in line}
     assert not any("  FAIL  " in line for line in rows.values()), out
-    for ok in ("environment", "every schedule deadlock-free under NCCL's ordering",
+    for ok in ("environment", "every schedule deadlock-free under NCCL's ordering (the verifier's model)",
                "B + W = fused backward (CPU fp32, plumbing)", "op timing by CUDA events (Recorder)",
                "verify v-half pp=2 over gloo", "driver v-half pp=2, 4 iterations"):
         assert "  ok  " in rows[ok], (ok, out)
@@ -35,6 +35,8 @@ def test_gpu_check_on_cpu_proves_its_plumbing_and_skips_the_gpu_parts():
                     "verify every schedule at pp=2 over NCCL; driver iterations per schedule"):
         assert "  skipped  no CUDA device" in rows[skipped], (skipped, out)
     assert "checks:" in out.splitlines()[-1] and "0 failed" in out.splitlines()[-1]
+    # each row also as it finished, so a run killed at its time limit keeps what it found
+    assert "gpu_check: driver v-half pp=2, 4 iterations: ok:" in done.stderr, done.stderr[-3000:]
 
 
 def test_a_failed_check_is_a_row_and_exit_status_1(monkeypatch, capsys):
@@ -54,3 +56,16 @@ def test_a_failed_check_is_a_row_and_exit_status_1(monkeypatch, capsys):
     assert gpu_check.main([]) == 1
     out = capsys.readouterr().out
     assert "broken check" in out and "FAIL" in out and "ValueError: last line" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_require_gpu_fails_at_once_without_cuda(capsys):
+    """On a lent GPU machine a torch that cannot see the GPU must not pass as a CPU run of the plumbing."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    assert gpu_check.main(["--require-gpu"]) == 1
+    out = capsys.readouterr().out
+    assert "CUDA device  FAIL" in out and "--require-gpu" in out and "1 failed" in out
