@@ -154,7 +154,7 @@ def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, s
            f"that this model needs (saved from another model?)" if absent else None)
 
     for chunk, key in zip(model_chunks, _model_keys(model_chunks)):
-        chunk.load_state_dict(loaded[key], strict=True)
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if load_optimizer and optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
@@ -247,7 +247,9 @@ def _model_keys(model_chunks) -> List[str]:
 
 
 def _model_sharded(model_chunks) -> Dict[str, dict]:
-    return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+    # The GPTModel's own keys, as Megatron-LM saves them (it unwraps too): megatron-core's DDP has no
+    # sharded_state_dict of its own and would prefix every key with "module.".
+    return {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
 
 
 def _model_sizes(model_chunks) -> dict:

@@ -299,3 +299,32 @@ def test_which_checkpoint_a_path_names(tmp_path):
     os.makedirs(done)
     open(os.path.join(done, "metadata.json"), "w").write("{}")
     assert find_checkpoint(str(tmp_path)) == done == find_checkpoint(done)
+
+
+def _wrapped_job(rank, world_size, root):
+    """Saved from chunks inside megatron-core's data-parallel wrapper (as the driver's on GPUs), loaded into wrapped
+    and into plain chunks: the GPTModel's own keys either way."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    from megatron_vshape.integration.checkpoint import load_checkpoint, save_checkpoint
+
+    _allow_writer_processes()
+    wrap = lambda chunks: [_BaseDataParallel(c.config, c) for c in chunks]  # noqa: E731 - what DDP takes its methods from
+    chunks = _setup(UNTIED, "v-half", 1, world_size, M)
+    opt, sched = _optimizer(chunks)
+    _train(UNTIED, "v-half", M, chunks, opt, sched, range(K))
+    save_checkpoint(root, K, wrap(chunks), opt, sched)
+    saved, out = _params(chunks, opt), {}
+    for how in ("wrapped", "plain"):
+        fresh = _setup(UNTIED, "v-half", 1, world_size, M)
+        opt, sched = _optimizer(fresh)
+        load_checkpoint(root, wrap(fresh) if how == "wrapped" else fresh, opt, sched)
+        out[how] = _params(fresh, opt)
+    return saved, out
+
+
+def test_chunks_in_the_data_parallel_wrapper_save_and_load_by_the_models_keys(tmp_path):
+    for saved, loaded in launch(_wrapped_job, 2, args=(str(tmp_path),), timeout=240):
+        for how, params in loaded.items():
+            assert sorted(params) == sorted(saved), how
+            assert all(np.array_equal(params[k], saved[k]) for k in saved), how
