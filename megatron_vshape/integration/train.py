@@ -537,10 +537,13 @@ def init_parallel(args, placement):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=placement.chunks if placement.chunks > 1 else None,
         get_embedding_ranks=embedding_ranks_for(placement))
-    # Dropout: the same stream per pipeline rank; weights do not depend on it (runtime.init).
-    torch.manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    # Dropout: a stream of its own per pipeline rank, on CPU and on GPUs (whose default generator
+    # model_parallel_cuda_manual_seed sets), as Megatron-LM seeds them; weights do not depend on it
+    # (runtime.init).
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
     if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def forward_backward_func(args, plan, recorder, device):
