@@ -158,7 +158,13 @@ def load_checkpoint(path: str, model_chunks: List[torch.nn.Module], optimizer, s
     if load_optimizer and optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["scheduler"])
+        except AssertionError as e:  # megatron-core's scheduler: a flag differs from the checkpoint's
+            raise ConfigError(f"{target}: {str(e).replace('checkpointvalue', 'checkpoint value')} (the learning-rate "
+                              "schedule of this run's flags is not the checkpoint's); pass "
+                              "--override-opt-param-scheduler to train on with this run's flags, or "
+                              "--use-checkpoint-opt-param-scheduler to keep the checkpoint's") from None
     if load_rng and same_layout:
         _set_rng_state(loaded["rng_state"])
     return int(loaded["iteration"]), loaded.get("extra")

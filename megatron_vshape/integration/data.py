@@ -89,10 +89,11 @@ def _mock_dataset_class():
     return Mock
 
 
-def microbatches(dataset, iteration: int, global_batch_size: int, dp_rank: int, micro_batch_size: int,
+def microbatches(dataset, first_sample: int, dp_rank: int, micro_batch_size: int,
                  num_microbatches: int) -> List[Dict[str, torch.Tensor]]:
-    """This data-parallel rank's microbatches of an iteration, each a dict of [b, s] tensors."""
-    start = iteration * global_batch_size + dp_rank * micro_batch_size * num_microbatches
+    """This data-parallel rank's microbatches of the global batch that starts at `first_sample`, each a dict
+    of [b, s] tensors."""
+    start = first_sample + dp_rank * micro_batch_size * num_microbatches
     out = []
     for j in range(num_microbatches):
         first = start + j * micro_batch_size

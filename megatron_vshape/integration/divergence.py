@@ -81,7 +81,8 @@ class Counters:
     def _message(iteration: int, what: str, lr: float) -> str:
         return (f"iteration {iteration}: {what} (learning rate {lr:.3g}): training diverged, stopping before the "
                 f"update; lower --lr (or raise --lr-warmup-iters, lower --clip-grad) and restart, or resume from the "
-                f"last checkpoint with --load; --no-check-for-nan-in-loss-and-grad skips such steps instead")
+                f"last checkpoint with --load and --override-opt-param-scheduler (which takes the new flags); "
+                f"--no-check-for-nan-in-loss-and-grad skips such steps instead")
 
 
 def json_safe(value):

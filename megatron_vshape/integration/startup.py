@@ -76,6 +76,9 @@ def check_combinations(args) -> None:
     if after is not None and after >= args.train_iters:
         raise ConfigError(f"--pipeline-replan-after={after} is not below --train-iters={args.train_iters}: no iteration "
                           f"would run what it re-plans; use an iteration from 1 to {args.train_iters - 1}")
+    if getattr(args, "override_opt_param_scheduler", False) and getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: the "
+                          "first takes this run's learning-rate flags on --load, the second the checkpoint's; pass one")
     for dest, needs in (("load_fallback", "load"), ("ckpt_step", "load"), ("save_retain", "save")):
         value = getattr(args, dest, None)
         if value not in (None, False) and not getattr(args, needs, None):

@@ -106,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--min-lr", type=float, default=0.0)
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="cosine")
+                   default="linear")  # Megatron-LM's default
     t.add_argument("--lr-warmup-iters", type=int, default=0)
     t.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    t.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on --load: this run's learning-rate and weight-decay flags, not the checkpoint's")
+    t.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                   help="on --load: the checkpoint's learning-rate and weight-decay schedule, not this run's flags")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--adam-beta1", type=float, default=0.9)
@@ -403,7 +407,11 @@ def build_optimizer(args, chunks, config, device):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+        end_wd=args.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+        # As Megatron-LM: on --load a schedule flag that differs from the checkpoint's is an error, unless
+        # one of these says which wins (checkpoint.load_checkpoint says so in one line).
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return chunks, optimizer, scheduler
 
 
@@ -643,19 +651,21 @@ def run(args, plan) -> dict:
     fb = forward_backward_func(args, plan, recorders, device)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size \
         if args.eval_interval else 0
-    data = _build_data(args, evals)
-
-    start_iter = 0
+    start_iter, consumed = 0, 0  # iterations done, training samples read (Megatron-LM's consumed_train_samples)
     ckpt = _checkpoint_module()
     if args.load and ckpt is not None:
         start_iter, extra = ckpt.load_checkpoint(args.load, chunks, optimizer, scheduler, step=args.ckpt_step,
                                                  fallback=args.load_fallback)
-        _print0(f"  loaded checkpoint {args.load} at iteration {start_iter}")
+        # A run resumed with another --global-batch-size reads on from the samples the saved one read.
+        saved = extra if isinstance(extra, dict) else {}
+        consumed = int(saved.get("consumed_samples", start_iter * args.global_batch_size))
+        _print0(f"  loaded checkpoint {args.load} at iteration {start_iter} ({consumed} samples consumed)")
         past = rebalance.resumed_past(args, plan, start_iter, (extra or {}).get("stage_layers")
                                       if isinstance(extra, dict) else None)
         if past:
             _print0(past)
     resumed = (ckpt.iteration_dir(args.save, start_iter),) if args.load and args.save else ()
+    data = _build_data(args, consumed + (args.train_iters - start_iter) * args.global_batch_size, evals)
 
     rss0 = max_rss_bytes()
     if device.type == "cuda":
@@ -680,7 +690,7 @@ def run(args, plan) -> dict:
             _print0(report)
             if replanned["changed"] or deferred:
                 ckpt.save_checkpoint(args.save, it, chunks, optimizer, scheduler,
-                                     extra=_extra(args, new, it), retain=args.save_retain, keep=resumed)
+                                     extra=_extra(plan=new, consumed=consumed), retain=args.save_retain, keep=resumed)
                 _print0(f"  saved checkpoint {args.save} at iteration {it}")
             if replanned["changed"]:
                 del chunks, optimizer, scheduler  # one model in memory at a time
@@ -690,7 +700,8 @@ def run(args, plan) -> dict:
                 _print0(rebalance.restart_hint(args, new, it))
             plan = args.plan = new
             fb = forward_backward_func(args, plan, recorders, device)
-        batches = _microbatches(args, data.train, it, dp_rank, device)
+        batches = _microbatches(args, data.train, consumed, dp_rank, device)
+        consumed += args.global_batch_size
         optimizer.zero_grad()
         for c in chunks:
             if hasattr(c, "zero_grad_buffer"):  # megatron-core DDP (GPU)
@@ -731,8 +742,8 @@ def run(args, plan) -> dict:
             window["losses"] += 1
         if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
             mean = window["loss"] / window["losses"] if window["losses"] else loss
-            metrics.append(_log(args, it + 1, mean, grad_norm, window, figures, peaks, rss0, device, scheduler,
-                                counters))
+            metrics.append(_log(args, it + 1, consumed, mean, grad_norm, window, figures, peaks, rss0, device,
+                                scheduler, counters))
             window = {"time": 0.0, "iters": 0, "loss": 0.0, "losses": 0}
         if args.eval_interval and ((it + 1) % args.eval_interval == 0 or it + 1 == args.train_iters):
             evaluate(args, fb, chunks, data, it + 1, eval_round, dp_rank, device)
@@ -742,17 +753,18 @@ def run(args, plan) -> dict:
             deferred = it + 1 == rebalance_at and it + 1 < args.train_iters
             if not deferred:
                 ckpt.save_checkpoint(args.save, it + 1, chunks, optimizer, scheduler,
-                                     extra=_extra(args, plan, it + 1), retain=args.save_retain, keep=resumed)
+                                     extra=_extra(plan=plan, consumed=consumed), retain=args.save_retain, keep=resumed)
                 _print0(f"  saved checkpoint {args.save} at iteration {it + 1}")
     summary = _summary(args, plan, history, peaks, rss0, device, counters)
     summary["replanned"] = replanned  # in-process only (not in the VSHAPE_SUMMARY line)
     return summary
 
 
-def _extra(args, plan, iteration: int) -> dict:
-    """What a checkpoint records beside the state: the samples consumed, and the layout training goes on
-    with from it (at a re-balance, the new one), which a resumed run names (rebalance.resumed_past)."""
-    return {"consumed_samples": iteration * args.global_batch_size,
+def _extra(plan, consumed: int) -> dict:
+    """What a checkpoint records beside the state: the samples consumed (where a resumed run reads on), and the
+    layout training goes on with from it (at a re-balance, the new one), which a resumed run names
+    (rebalance.resumed_past)."""
+    return {"consumed_samples": consumed,
             "stage_layers": list(plan.stage_layers) if plan and plan.stage_layers else None}
 
 
@@ -790,19 +802,20 @@ def _replan(fb, iteration: int) -> dict:
             "stage_costs": [c.to_dict() for c in new.stage_costs or ()]}
 
 
-def _build_data(args, eval_samples):
+def _build_data(args, train_samples, eval_samples):
     from .data import build_datasets
 
-    return build_datasets(args, args.train_iters * args.global_batch_size, eval_samples)
+    return build_datasets(args, train_samples, eval_samples)
 
 
-def _microbatches(args, dataset, iteration, dp_rank, device):
-    """The step's microbatches, already on `device`: a copy from pageable host memory inside the
-    step may wait for the stream, and so for posted receives (docs/architecture.md, GPU rules)."""
+def _microbatches(args, dataset, first_sample, dp_rank, device):
+    """The step's microbatches from sample `first_sample` on, already on `device`: a copy from pageable
+    host memory inside the step may wait for the stream, and so for posted receives (docs/architecture.md,
+    GPU rules)."""
     from .data import microbatches
 
     return [{k: v.to(device) for k, v in b.items()} for b in microbatches(
-        dataset, iteration, args.global_batch_size, dp_rank, args.micro_batch_size, args.num_microbatches)]
+        dataset, first_sample, dp_rank, args.micro_batch_size, args.num_microbatches)]
 
 
 def _iters(batches, chunks):
@@ -824,7 +837,8 @@ def evaluate(args, fb, chunks, data, iteration, eval_round, dp_rank, device):
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for k in range(args.eval_iters):
-            batches = _microbatches(args, data.valid, eval_round * args.eval_iters + k, dp_rank, device)
+            batches = _microbatches(args, data.valid, (eval_round * args.eval_iters + k) * args.global_batch_size,
+                                    dp_rank, device)
             out = fb(forward_step_func=forward_step, data_iterator=_iters(batches, len(chunks)), model=chunks,
                      num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                      micro_batch_size=args.micro_batch_size, forward_only=True)
@@ -865,7 +879,7 @@ def _memory_record(mem) -> dict:
             "pipeline_buffer_bytes_at_peak": [x["buffers"] for x in mem]}
 
 
-def _log(args, iteration, loss, grad_norm, window, figures, peaks, rss0, device, scheduler, counters):
+def _log(args, iteration, consumed, loss, grad_norm, window, figures, peaks, rss0, device, scheduler, counters):
     per_rank = _gather_pp(figures)
     mem = _memory(peaks, rss0, device)
     makespan = max(f["end"] for f in per_rank)
@@ -885,7 +899,7 @@ def _log(args, iteration, loss, grad_norm, window, figures, peaks, rss0, device,
     act = [x["act"] for x in mem]
     alloc = [x["alloc"] for x in mem]
     mib = lambda xs: "/".join(f"{x / 2**20:.2f}" for x in xs)  # noqa: E731
-    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {iteration * args.global_batch_size:10d}"
+    line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {consumed:10d}"
             f" | elapsed time per iteration (ms): {1000 * iter_time:.1f} | learning rate: {lr:.6E}"
             f" | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E}"
             f" | grad norm: {'-' if grad_norm is None else f'{grad_norm:.3f}'} | tokens/s: {tokens_per_s:.0f}")

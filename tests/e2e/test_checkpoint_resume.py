@@ -15,7 +15,7 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
          "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--log-interval", "1", "--untie-embeddings-and-output-weights",
-         "--pipeline-model-parallel-size", "2"]
+         "--pipeline-model-parallel-size", "2", "--lr-decay-style", "cosine"]  # the configs' style (the default is linear)
 
 
 def _pretrain(*argv):
@@ -55,3 +55,32 @@ def test_v_half_run_resumes_under_1f1b_with_the_same_losses(tmp_path):
     assert [resumed[3], resumed[4]] == [whole[3], whole[4]]
     assert sorted(_validation(whole_out)) == [2, 4] and list(_validation(out)) == [4]
     assert _validation(out)[4] == _validation(whole_out)[4]
+
+
+def _line(out, iteration):
+    """The log line of `iteration` as {field: value}."""
+    line = next(l for l in out.splitlines() if l.startswith(f" iteration {iteration:8d}/"))
+    return dict(part.strip().rsplit(": ", 1) for part in line.split(" | ")[1:] if ": " in part)
+
+
+@pytest.mark.timeout(600)
+def test_a_resume_with_another_batch_size_reads_on_and_says_which_schedule_wins(tmp_path):
+    """As Megatron-LM: the samples consumed come back from the checkpoint (with another --global-batch-size the
+    resumed run read from iteration x new size, skipping samples), and a learning-rate flag that differs from the
+    checkpoint's (here the decay length in samples, which the batch size changes) is an error naming the two flags
+    that say which wins (the checkpoint's used to win without a word)."""
+    save = str(tmp_path / "ckpt")
+    _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2")
+    middle = os.path.join(save, "iter_0000002")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, "--pipeline-schedule", "v-half", "--load", middle,
+           "--global-batch-size", "8"]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert refused.returncode != 0
+    assert "pass --override-opt-param-scheduler" in refused.stderr + refused.stdout, refused.stderr[-3000:]
+    _, out = _pretrain("--pipeline-schedule", "v-half", "--load", middle, "--global-batch-size", "8", "--lr", "1e-2",
+                       "--override-opt-param-scheduler")
+    assert "(8 samples consumed)" in out
+    assert [int(_line(out, i)["consumed samples"]) for i in (3, 4)] == [16, 24]  # 2 x 4, then 8 a step
+    assert float(_line(out, 3)["learning rate"]) > 3e-3  # this run's --lr, above the saved run's maximum
