@@ -45,8 +45,9 @@ class Counters:
     window_nan: int = 0
 
     def check_loss(self, iteration: int, loss: float, lr: float) -> Optional[str]:
-        """Before the update: why to stop (a non-finite loss, when checking), or None."""
-        if self.check and not finite(loss):
+        """Before the update: why to stop (a non-finite loss, when checking), or None.  Not under fp16,
+        whose dynamic loss scale skips an overflowed step by itself (Megatron-LM turns the check off there)."""
+        if self.check and not self.fp16 and not finite(loss):
             return self._message(iteration, f"lm loss is {loss}", lr)
         return None
 

@@ -17,6 +17,7 @@ def test_checking_stops_on_a_non_finite_loss_before_the_update_and_on_a_non_fini
 
 def test_fp16_loss_scale_skips_are_counted_not_stopped_on_and_keep_the_status_ok():
     c = Counters(check=True, fp16=True)
+    assert c.check_loss(1, math.inf, 1e-4) is None  # an fp16 forward overflow: the loss scaler skips the step
     assert c.record(1, 10.5, None, False, 1e-4) is None  # megatron-core's optimizer: overflow -> (False, None)
     assert c.record(2, 10.4, 1.5, True, 1e-4) is None
     assert (c.skipped, c.nan, c.status()) == (1, 0, "ok")
