@@ -285,7 +285,13 @@ def _incompatibility(target: str, common: dict, model_chunks, optimizer) -> Opti
     # A size an older checkpoint did not record (max_sequence_length) is not compared.
     differ = [f"{k}={saved[k]} (this model: {mine[k]})" for k in mine if k in saved and saved[k] != mine[k]]
     if differ:
-        return f"{target} was saved for another model: {', '.join(differ)}; load it with the model sizes it was saved with"
+        hint = ""
+        if [d.split("=")[0] for d in differ] == ["vocab_size"]:
+            # The driver and Megatron-LM pad the vocabulary to a multiple of --make-vocab-size-divisible-by x tp.
+            hint = (" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x tensor-parallel size: "
+                    "after a tp change, scale --make-vocab-size-divisible-by by old tp / new tp to pad as it was saved)")
+        return (f"{target} was saved for another model: {', '.join(differ)}; load it with the model sizes it was "
+                f"saved with{hint}")
     if optimizer is not None and meta["optimizer_type"] != _optimizer_type(optimizer):
         return (f"{target} holds the state of optimizer {meta['optimizer_type']}, this run uses "
                 f"{_optimizer_type(optimizer)}; use the same optimizer (or load without the optimizer state)")
