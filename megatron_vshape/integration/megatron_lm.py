@@ -315,10 +315,13 @@ def _te_split() -> bool:
 
 def _v_float16(wrapper):
     """On the V, Megatron's fp16/bf16 wrapper would upcast the output of the last virtual stage of the last
-    pipeline rank: that is stage p, a middle one; only stage 2p-1 (rank 0's chunk 1) may return fp32."""
+    pipeline rank: that is stage p, a middle one; only stage 2p-1 (rank 0's chunk 1) may return fp32.  A
+    wrapper of the script's own (not megatron-core's Float16Module) is left as given."""
+    from megatron.core.transformer.module import Float16Module
+
     from ..runtime.chunks import VFloat16Module
 
-    return functools.partial(VFloat16Module, placement=_placement()) if _is_v() and wrapper is not None else wrapper
+    return functools.partial(VFloat16Module, placement=_placement()) if _is_v() and wrapper is Float16Module else wrapper
 
 
 def _get_model(orig):
