@@ -170,15 +170,14 @@ def _check_megatron_lm_flags(args, plan) -> None:
     if getattr(args, "delay_wgrad_compute", False):
         raise ConfigError(f"--delay-wgrad-compute is set by megatron_vshape itself where --pipeline-schedule {name} "
                           "splits the backward (Transformer Engine layers); unset it")
-    _check_replaced_schedule_features(args, plan)
+    _check_replaced_schedule_features(args, name, fix)
     _check_rampup(args, plan)
 
 
-def _check_replaced_schedule_features(args, plan) -> None:
+def _check_replaced_schedule_features(args, name: str, fix: str) -> None:
     """Features that megatron-core's own schedules drive at the end of each step, in every spelling Megatron-LM
     accepts (--enable-cuda-graph and --external-cuda-graph are its deprecated --cuda-graph-impl local and
     transformer_engine; from core_v0.18 a full-iteration graph is --cuda-graph-impl full_iteration)."""
-    fix = f"unset it, or drop --pipeline-schedule {plan.name} (Megatron's own schedules)"
     impl = getattr(args, "cuda_graph_impl", None) or "none"
     if getattr(args, "enable_cuda_graph", False):
         impl = "local"
@@ -188,14 +187,14 @@ def _check_replaced_schedule_features(args, plan) -> None:
     scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
     if impl != "none" or "full_iteration" in {getattr(s, "name", str(s)) for s in scopes}:
         raise ConfigError(f"CUDA graphs (--cuda-graph-impl {impl}) are not supported with --pipeline-schedule "
-                          f"{plan.name}: megatron-core's own schedules create the per-layer graphs at the end of each "
+                          f"{name}: megatron-core's own schedules create the per-layer graphs at the end of each "
                           "step and Transformer Engine captures them in Megatron's schedule order, while a "
                           "full-iteration graph would capture megatron_vshape's executor, whose receives are matched "
-                          f"on the host at run time; {fix}")
+                          f"on the host at run time; unset it {fix}")
     if getattr(args, "fine_grained_activation_offloading", False):
         raise ConfigError(f"--fine-grained-activation-offloading is reset by megatron-core's own schedules at the end "
-                          f"of each step, which --pipeline-schedule {plan.name} replaces (offloading would stay in its "
-                          f"warm-up and keep a handler per forward); {fix}")
+                          f"of each step, which --pipeline-schedule {name} replaces (offloading would stay in its "
+                          f"warm-up and keep a handler per forward); unset it {fix}")
 
 
 def _check_rampup(args, plan) -> None:

@@ -660,8 +660,7 @@ def run(args, plan) -> dict:
         saved = extra if isinstance(extra, dict) else {}
         consumed = int(saved.get("consumed_samples", start_iter * args.global_batch_size))
         _print0(f"  loaded checkpoint {args.load} at iteration {start_iter} ({consumed} samples consumed)")
-        past = rebalance.resumed_past(args, plan, start_iter, (extra or {}).get("stage_layers")
-                                      if isinstance(extra, dict) else None)
+        past = rebalance.resumed_past(args, plan, start_iter, saved.get("stage_layers"))
         if past:
             _print0(past)
     resumed = (ckpt.iteration_dir(args.save, start_iter),) if args.load and args.save else ()
