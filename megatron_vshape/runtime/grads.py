@@ -9,6 +9,7 @@ the token count when the loss is per token.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -52,20 +53,23 @@ def finalize_grads(model, num_tokens: Optional[torch.Tensor] = None, pg_collecti
 
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global L2 norm of the gradients over the model-parallel ranks (each weight counted once:
-    no tensor-parallel duplicates, no tied copy), and Megatron's clipping when max_norm > 0."""
+    no tensor-parallel duplicates, no tied copy), and Megatron's clipping when max_norm > 0.
+
+    The squares are added exactly (math.fsum of every gradient's own sum, gathered from all
+    ranks), so the norm does not depend on which rank holds which layer: every schedule and
+    layout, and the model without pipelining, clip by the same coefficient.  A running float
+    sum per rank, then an all-reduce, rounds by layout, and V and 1F1B runs drifted apart by an
+    ulp a step wherever clipping was active."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     counted = [p.grad for p in params if p.grad is not None and not getattr(p, "shared", False)
                and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
-    total = torch.zeros((), dtype=torch.float32)
-    for g in counted:
-        total += g.detach().float().pow(2).sum().cpu()
+    squares = [float(g.detach().float().pow(2).sum()) for g in counted]
     group = parallel_state.get_model_parallel_group()
-    device = counted[0].device if counted else torch.device("cpu")
-    total = total.to(device)
-    dist.all_reduce(total, group=group)
-    norm = float(total.sqrt())
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, squares, group=group)
+    norm = math.sqrt(math.fsum(s for rank in everyone for s in rank))
     if max_norm > 0:
         coeff = max_norm / (norm + 1.0e-6)
         if coeff < 1.0:
