@@ -36,20 +36,30 @@ def _validation(out):
             if line.startswith(" validation loss at iteration")}
 
 
+# Validation every 2 iterations: the resumed run goes on with the validation batches the saved one
+# would read next (it read round 0's again, so the same iteration gave another validation loss).
+EVALS = ("--eval-interval", "2", "--eval-iters", "1")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The uninterrupted v-half run, saving every 2 iterations: (its losses, its output, the checkpoint
+    directory).  Both tests resume from its middle checkpoint (one launch fewer)."""
+    save = str(tmp_path_factory.mktemp("resume") / "ckpt")
+    whole, whole_out = _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2", *EVALS)
+    return whole, whole_out, save
+
+
 @pytest.mark.timeout(600)
-def test_v_half_run_resumes_under_1f1b_with_the_same_losses(tmp_path):
-    save = str(tmp_path / "ckpt")
-    # Validation every 2 iterations: the resumed run goes on with the validation batches the saved one
-    # would read next (it read round 0's again, so the same iteration gave another validation loss).
-    evals = ("--eval-interval", "2", "--eval-iters", "1")
-    whole, whole_out = _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2", *evals)
+def test_v_half_run_resumes_under_1f1b_with_the_same_losses(saved):
+    whole, whole_out, save = saved
     assert sorted(whole) == [1, 2, 3, 4]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     middle = os.path.join(save, "iter_0000002")
     # torch_dist: metadata.json and the files' .metadata; the common state is in common.pt before
     # megatron-core 0.19.0, inside the torch_dist files from 0.19.0 on.
     assert os.path.isfile(os.path.join(middle, "metadata.json")) and os.path.isfile(os.path.join(middle, ".metadata"))
-    resumed, out = _pretrain("--pipeline-schedule", "1f1b", "--load", middle, *evals)
+    resumed, out = _pretrain("--pipeline-schedule", "1f1b", "--load", middle, *EVALS)
     assert "loaded checkpoint" in out
     print(f"v-half, uninterrupted: {[whole[i] for i in (1, 2, 3, 4)]}\n"
           f"1f1b resumed at 2:     {[resumed[i] for i in (3, 4)]}")
@@ -66,14 +76,12 @@ def _line(out, iteration):
 
 
 @pytest.mark.timeout(600)
-def test_a_resume_with_another_batch_size_reads_on_and_says_which_schedule_wins(tmp_path):
+def test_a_resume_with_another_batch_size_reads_on_and_says_which_schedule_wins(saved):
     """As Megatron-LM: the samples consumed come back from the checkpoint (with another --global-batch-size the
     resumed run read from iteration x new size, skipping samples), and a learning-rate flag that differs from the
     checkpoint's (here the decay length in samples, which the batch size changes) is an error naming the two flags
     that say which wins (the checkpoint's used to win without a word)."""
-    save = str(tmp_path / "ckpt")
-    _pretrain("--pipeline-schedule", "v-half", "--save", save, "--save-interval", "2")
-    middle = os.path.join(save, "iter_0000002")
+    middle = os.path.join(saved[2], "iter_0000002")
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, "--pipeline-schedule", "v-half", "--load", middle,
            "--global-batch-size", "8"]
