@@ -4,7 +4,8 @@ iterations after it, bit for bit (untied embeddings: every schedule adds each gr
 order, and the clipping norm adds its squares exactly, whichever rank holds which layer; mock
 data is a function of the sample index, and the driver resumes it from the iteration).  Linear
 decay (the default) to 0 at the last iteration: before the exact norm, the 1f1b run's last loss
-differed from the v-half run's by 3e-8 (its clipping coefficient rounded by layout).  megatron-core's torch_dist files and Megatron-LM's tracker are on disk."""
+differed from the v-half run's by 3e-8 (its clipping coefficient rounded by layout).
+megatron-core's torch_dist files and Megatron-LM's tracker are on disk."""
 import json
 import os
 import subprocess
@@ -20,11 +21,16 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--pipeline-model-parallel-size", "2"]
 
 
-def _pretrain(*argv):
+def _torchrun(*argv):
+    """scripts/pretrain_gpt.py with FLAGS and argv on 2 processes, as it ended."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, *argv]
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+
+
+def _pretrain(*argv):
+    run = _torchrun(*argv)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {m["iteration"]: m["loss"] for m in (json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
                                                  if line.startswith("VSHAPE_METRICS "))}, run.stdout
@@ -82,11 +88,7 @@ def test_a_resume_with_another_batch_size_reads_on_and_says_which_schedule_wins(
     checkpoint's (here the decay length in samples, which the batch size changes) is an error naming the two flags
     that say which wins (the checkpoint's used to win without a word)."""
     middle = os.path.join(saved[2], "iter_0000002")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, "--pipeline-schedule", "v-half", "--load", middle,
-           "--global-batch-size", "8"]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    refused = _torchrun("--pipeline-schedule", "v-half", "--load", middle, "--global-batch-size", "8")
     assert refused.returncode != 0
     assert "pass --override-opt-param-scheduler" in refused.stderr + refused.stdout, refused.stderr[-3000:]
     _, out = _pretrain("--pipeline-schedule", "v-half", "--load", middle, "--global-batch-size", "8", "--lr", "1e-2",
