@@ -61,7 +61,8 @@ late starts and final relists are skipped.
 
 Everything is deterministic: the work is bounded by counts of simulated ops, never by the
 clock, and the random moves use a fixed seed, so every rank computes the same schedule.
-Results are cached per problem in-process.
+Results are cached per problem (plan_cache.py: in memory, and on disk for other processes
+when MEGATRON_VSHAPE_PLAN_CACHE names a directory).
 
 `_plan` runs them as six named steps: `_starts` (the candidates), `_moves` (which moves run
 with how much work, from the run's size and where the cap lies), `_improve_starts`,
@@ -90,6 +91,7 @@ from ..schedule.verify import verify
 from . import justify, reorder, slots
 from .listing import HOLD_RULES, RELIST_RULES, RULES, Listed, greedy, relist
 from .local import delay_search, improve, refit, relax
+from .plan_cache import PlanCache
 from .problem import Problem
 
 MAX_BUDGET = 2.0
@@ -737,7 +739,7 @@ def _relisted_end(P: Problem, best: _Best) -> Tuple[List[List[int]], str]:
     return order, how
 
 
-@lru_cache(maxsize=256)
+@PlanCache
 def _plan(name: str, pp: int, m: int, costs: Costs, table: Tuple[StageCost, ...], budget: float) -> Tuple[Tuple[Tuple[int, ...], ...], str]:
     """The search: starts, the moves this problem gets, improve the best starts, search on
     from the best, the late starts, the cool-down relisted; then microbatches in order."""

@@ -14,14 +14,13 @@ QUICKSTART_TIMEOUT = 380  # seconds, the whole demo on a loaded 2-core machine; 
 
 
 @pytest.fixture(scope="session")
-def quickstart_pp2(tmp_path_factory):
+def quickstart_pp2(run_folder):
     """(completed process, output folder) of `scripts/quickstart.py` on the pp=2 tiny config: few
     iterations, and the speed section's fewest launches and steps (its times are not asserted).
 
     Once per pytest run: under `make test`'s two workers (pytest-xdist) the worker that comes
     second waits on a lock and reads the first one's result from the run's shared folder."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder
+    shared = run_folder
     out, result = shared / "quickstart", shared / "quickstart.json"
     with open(shared / "quickstart.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies

@@ -1,7 +1,9 @@
-"""One plan per problem for the whole session: search._plan's own cache holds 256 plans, fewer than
+"""One plan per problem for the whole session: search._plan's own memory holds 256 plans, fewer than
 the generator grid (pp up to 16, m up to 128, about a second each), so other files planned the same
-problems again.  A test that calls search._plan.cache_clear() still plans for real for the rest of
-itself; the session's plans come back after it, and the plans it made are dropped."""
+problems again.  Outside a cleared test a problem is read through search._plan's own cache (the
+run's plans folder, tests/conftest.py); a test that calls search._plan.cache_clear() plans for real
+for the rest of itself, reading and keeping nothing on disk; the session's plans come back after
+it, and the plans it made are dropped."""
 import pytest
 
 from megatron_vshape.planner import search
@@ -10,15 +12,17 @@ from megatron_vshape.planner import search
 class SessionPlans:
     """search._plan's results by its arguments, unbounded; cache_clear() as lru_cache's, for one test.
 
-    Plans made after a cache_clear() are dropped when the test ends, never kept for the session:
-    the tests that clear the cache are the ones that patch the search's constants."""
+    Plans made after a cache_clear() come from the search itself (`fn`) and are dropped when the
+    test ends, never kept for the session nor on disk: the tests that clear the cache are the
+    ones that patch the search's constants.  Other plans come through `shared` (the package's
+    cache: memory and the run's folder)."""
 
-    def __init__(self, fn):
-        self.fn, self.live, self.saved = fn, {}, None
+    def __init__(self, shared):
+        self.shared, self.fn, self.live, self.saved = shared, shared.__wrapped__, {}, None
 
     def __call__(self, *args):
         if args not in self.live:
-            self.live[args] = self.fn(*args)
+            self.live[args] = (self.fn if self.saved is not None else self.shared)(*args)
         return self.live[args]
 
     def cache_clear(self):
@@ -31,7 +35,7 @@ class SessionPlans:
             self.live, self.saved = self.saved, None
 
 
-search._plan = SessionPlans(search._plan.__wrapped__)
+search._plan = SessionPlans(search._plan)
 
 
 @pytest.fixture(autouse=True)
