@@ -44,6 +44,7 @@ class PlanCache:
     def __init__(self, fn: Callable[..., Any], size: int = 256):
         functools.update_wrapper(self, fn)
         self.fn, self.size, self.memory, self.since = fn, size, OrderedDict(), 0
+        self.warned = False  # an unwritable folder is said once
 
     def __call__(self, *args):
         if args in self.memory:
@@ -83,9 +84,9 @@ class PlanCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None  # absent, half-gone or not ours: planned again and rewritten
 
-    @staticmethod
-    def _write(path: pathlib.Path, args, value) -> None:
+    def _write(self, path: pathlib.Path, args, value) -> None:
         order, how = value
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
@@ -93,6 +94,10 @@ class PlanCache:
                 json.dump({"args": repr(args), "order": [list(ops) for ops in order], "how": how}, f)
             os.replace(tmp, path)
         except OSError as exc:  # a full or read-only disk costs the next process a search, nothing more
-            import warnings
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            if not self.warned:
+                import warnings
 
-            warnings.warn(f"{ENV}: plans are not kept in {path.parent}: {exc}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{ENV}: plans are not kept in {path.parent}: {exc}", RuntimeWarning, stacklevel=3)
+                self.warned = True

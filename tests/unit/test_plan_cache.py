@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -84,3 +85,17 @@ def test_a_second_process_takes_the_first_ones_plan_without_searching(tmp_path):
     third = subprocess.run([sys.executable, "-c", PLAN.format(no_search)], env=env, capture_output=True, text=True,
                            timeout=120)
     assert third.returncode != 0 and "NoneType" in third.stderr  # without the folder it searches
+
+
+def test_an_unwritable_folder_is_said_once_and_planning_goes_on(tmp_path, monkeypatch):
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    monkeypatch.setenv(plan_cache.ENV, str(blocked))
+    counted = Counted()
+    cache = plan_cache.PlanCache(counted)
+    with pytest.warns(RuntimeWarning, match="plans are not kept in"):
+        planned = cache(*ARGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache(*ARGS[:-1] + (0.875,))
+    assert planned == counted.search(*ARGS) and counted.calls == 2
