@@ -134,6 +134,10 @@ def _rank_main(fn, rank, world_size, port, backend, args, kwargs, parent_env, en
     # that vanish when this process exits.
     results.put(("ok", rank, pickle.dumps(out)))
     try:
+        # Nor is a subgroup's set-up (Megatron's groups made inside fn): a rank whose fn ended first
+        # must not close its sockets while a peer still connects to it.  The parent kills every rank
+        # once all results are in, so this wait is bounded by the slowest rank's fn.
+        dist.barrier()
         dist.destroy_process_group()
     except Exception:
         pass

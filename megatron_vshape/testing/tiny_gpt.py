@@ -59,9 +59,15 @@ def init_parallel(tp: int, pp: int, placement: Placement, seed: int = 1234) -> N
     Loop and V placements set virtual_pipeline_model_parallel_size to the chunk count so that
     chunks carry vp_stage; V gets an embedding group of the first pipeline rank only.
     """
+    import torch.distributed as dist
+
     from ..runtime.groups import init_megatron
     from megatron.core import parallel_state
 
+    if dist.is_initialized():
+        # Gloo's group set-up is no barrier: the groups dropped here may still be connecting on a
+        # slower rank ("Connection closed by peer" there).
+        dist.barrier()
     parallel_state.destroy_model_parallel()
     init_megatron(
         tp=tp, pp=pp, seed=seed,
