@@ -3,15 +3,14 @@
 non-pipelined reference losses of the tiny GPT."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-REPO = Path(__file__).resolve().parents[2]
+from bounded_runs import run_bounded
+
 STANDIN = Path(__file__).resolve().parent / "megatron_lm_standin" / "pretrain_gpt.py"
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")
 
@@ -24,23 +23,6 @@ def run_launcher(script, args: List[str], nproc: int, timeout: float, extra_path
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                              if nproc else []), *launcher]
     return run_bounded(cmd, timeout, extra_path, env)
-
-
-def run_bounded(cmd: List[str], timeout: float, extra_path: Optional[str] = None,
-                env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """Run `cmd` in the repository with the repository on PYTHONPATH; kill it and its children after `timeout`."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), extra_path, os.environ.get("PYTHONPATH")) if p))
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout:.0f}s; killed.\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def losses(stdout: str) -> List[float]:

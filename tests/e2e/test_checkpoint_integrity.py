@@ -4,14 +4,11 @@ one line naming the file and the newest intact checkpoint (no traceback); with t
 `--load-fallback` loads the intact one and training continues with the uninterrupted run's losses.
 (Every damage the checksums find takes the same refusal; tests/unit/test_ckpt_integrity.py checks
 that a changed, a truncated and a missing file are each found and named.)"""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bounded_runs import losses_by_iteration, pretrain
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
          "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
@@ -20,13 +17,8 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _pretrain(*argv):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, *argv]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-    losses = {m["iteration"]: m["loss"] for m in (json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
-                                                   if line.startswith("VSHAPE_METRICS "))}
-    return run, losses
+    run = pretrain([*FLAGS, *argv], timeout=200)
+    return run, losses_by_iteration(run.stdout)
 
 
 def _shard(checkpoint):

@@ -6,14 +6,11 @@ data is a function of the sample index, and the driver resumes it from the itera
 decay (the default) to 0 at the last iteration: before the exact norm, the 1f1b run's last loss
 differed from the v-half run's by 3e-8 (its clipping coefficient rounded by layout).
 megatron-core's torch_dist files and Megatron-LM's tracker are on disk."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bounded_runs import losses_by_iteration, pretrain
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
          "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
@@ -23,17 +20,13 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 def _torchrun(*argv):
     """scripts/pretrain_gpt.py with FLAGS and argv on 2 processes, as it ended."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, *argv]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    return pretrain([*FLAGS, *argv])
 
 
 def _pretrain(*argv):
     run = _torchrun(*argv)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return {m["iteration"]: m["loss"] for m in (json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
-                                                 if line.startswith("VSHAPE_METRICS "))}, run.stdout
+    return losses_by_iteration(run.stdout), run.stdout
 
 
 def _validation(out):

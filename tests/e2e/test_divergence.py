@@ -4,13 +4,10 @@ and says "diverged" in its summary; with --no-check-for-nan-in-loss-and-grad it 
 counts them on every log line and in the summary, whose status says so.  Every metrics line stays
 valid JSON (null, never NaN)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bounded_runs import pretrain
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e4",
          "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "63",
@@ -19,12 +16,7 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _run(nproc, *argv):
-    script = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
-    launcher = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-                f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run(launcher + [script, *FLAGS, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=280)
+    run = pretrain([*FLAGS, *argv], nproc=nproc)
     lines = [line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith("VSHAPE_")]
     # json.loads accepts NaN; the contract is strict JSON, so refuse it here.
     strict = [(tag, json.loads(text, parse_constant=lambda c: pytest.fail(f"{tag} holds {c}: {text}")))

@@ -1,17 +1,13 @@
 """examples/ run as their docstrings say, under torchrun, and train."""
 import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+from bounded_runs import REPO as ROOT, TORCHRUN, run_bounded
 
 
 def test_v_half_gpt_trains_over_two_gloo_ranks():
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/v_half_gpt.py", "--steps", "4"],
-                       capture_output=True, text=True, timeout=280, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""})
+    r = run_bounded([TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/v_half_gpt.py", "--steps", "4"], 280,
+                    env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stdout + r.stderr
     losses = [float(x) for x in re.findall(r"^v-half pp=2 step \d+ loss ([\d.]+)$", r.stdout, re.M)]
     assert len(losses) == 4, r.stdout  # one line per step, from the last pipeline rank only

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lm_runs import REPO, STANDIN, losses, reference_losses, run_bounded, run_launcher
+from bounded_runs import run_bounded
+from megatron_lm_runs import STANDIN, losses, reference_losses, run_launcher
 from megatron_vshape.testing.tiny_gpt import TinyGPT
 
 MLM = os.environ.get("MEGATRON_LM_PATH")

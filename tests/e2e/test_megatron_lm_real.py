@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lm_runs import REPO, reference_losses, run_launcher
+from bounded_runs import REPO
+from megatron_lm_runs import reference_losses, run_launcher
 
 MLM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(

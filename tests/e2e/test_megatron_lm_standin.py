@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megatron_lm_runs import REPO, STANDIN, losses, reference_losses, run_bounded, run_launcher
+from bounded_runs import REPO, run_bounded
+from megatron_lm_runs import STANDIN, losses, reference_losses, run_launcher
 from megatron_vshape.testing.tiny_gpt import TinyGPT
 
 TINY = TinyGPT(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, micro_batch_size=2,

@@ -2,14 +2,11 @@
 indexed .bin/.idx data with a --config file and a flag overriding it, the VSHAPE_METRICS /
 VSHAPE_SUMMARY lines the SLURM report parses, configuration errors that exit 2 before any process
 group exists, and `make demo`'s quickstart on 2 processes."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bounded_runs import pretrain, tagged
+
 # Per pipeline rank: the reserved peak (GPU; null on CPU), and activations and pipeline buffers at their peak.
 MEMORY_KEYS = {"peak_reserved_bytes", "activations_at_peak_bytes", "pipeline_buffer_bytes_at_peak"}
 METRICS_KEYS = {"iteration", "train_iters", "loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s", "tflops_per_gpu",
@@ -19,10 +16,6 @@ SUMMARY_KEYS = {"status", "schedule", "schedule_options", "pp", "tp", "dp", "wor
                 "micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "first_loss", "final_loss",
                 "median_iter_time_s", "tokens_per_s", "tflops_per_gpu", "peak_activation_bytes", "peak_allocated_bytes",
                 "measured_costs", "measured_bubble_rate", "config_name", "skipped_iterations", "nan_iterations"} | MEMORY_KEYS
-
-
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
 def _write_indexed(prefix, vocab, documents=40, seed=0):
@@ -40,10 +33,6 @@ def _write_indexed(prefix, vocab, documents=40, seed=0):
     builder.finalize(get_idx_path(prefix))
 
 
-def _lines(out, tag):
-    return [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith(tag + " ")]
-
-
 @pytest.mark.timeout(300)
 def test_torchrun_on_indexed_data_with_a_config_file_and_an_overriding_flag(tmp_path):
     prefix = str(tmp_path / "tokens")
@@ -55,11 +44,9 @@ def test_torchrun_on_indexed_data_with_a_config_file_and_an_overriding_flag(tmp_
         "log-interval: 2", f"data-path: [{prefix}]", "split: 90,10,0", "vocab-size: 63", "tokenizer-type: NullTokenizer",
         "make-vocab-size-divisible-by: 1", "hidden-dropout: 0.0", "attention-dropout: 0.0", "lr: 0.003",
         "eval-interval: 2", "eval-iters: 1", f"data-cache-path: {tmp_path / 'cache'}"]) + "\n")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), "--config", str(config), "--pipeline-schedule", "v-zb"]
-    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280)
+    run = pretrain(["--config", str(config), "--pipeline-schedule", "v-zb"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    metrics, (summary,) = _lines(run.stdout, "VSHAPE_METRICS"), _lines(run.stdout, "VSHAPE_SUMMARY")
+    metrics, (summary,) = tagged(run.stdout, "VSHAPE_METRICS"), tagged(run.stdout, "VSHAPE_SUMMARY")
     assert [m["iteration"] for m in metrics] == [2, 4] and all(set(m) == METRICS_KEYS for m in metrics)
     assert set(summary) == SUMMARY_KEYS
     # The flag overrides the file; the rest comes from the file.
@@ -113,9 +100,8 @@ def test_config_keys_are_flag_names_and_unknown_keys_are_refused(tmp_path):
 
 
 def test_the_script_itself_exits_2_on_a_configuration_error():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_gpt.py"), "--mock-data",
-                          "--vocab-size", "63", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "nope"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    run = pretrain(["--mock-data", "--vocab-size", "63", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                    "nope"], nproc=1, timeout=120)
     assert run.returncode == 2 and "nope" in run.stderr and "v-half" in run.stderr
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from bounded_runs import pretrain, tagged
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3",
@@ -20,12 +22,9 @@ def _env():
 
 
 def _losses(*argv):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *FLAGS, *argv]
-    run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
+    run = pretrain([*FLAGS, *argv], timeout=200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [json.loads(line.split(" ", 1)[1])["loss"] for line in run.stdout.splitlines()
-            if line.startswith("VSHAPE_METRICS ")], run.stdout
+    return [m["loss"] for m in tagged(run.stdout, "VSHAPE_METRICS")], run.stdout
 
 
 @pytest.mark.timeout(400)

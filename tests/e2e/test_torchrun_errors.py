@@ -2,13 +2,9 @@
 before torchrun's closing block, and that block names the same line as the root cause instead of
 "<N/A>".  torchrun exits 1 whatever the rank's code (the README says so); the rank's own 2 shows in
 the block."""
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bounded_runs import pretrain
 PREFIX = "megatron-vshape pretrain: error: "
 
 
@@ -19,11 +15,8 @@ PREFIX = "megatron-vshape pretrain: error: "
     (["--pipeline-schedule", "v-halff"], "--pipeline-schedule='v-halff' is not one of the choices"),  # by argparse
 ])
 def test_a_configuration_error_under_torchrun_is_one_line_and_the_root_cause(argv, message):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=3",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), "--mock-data", "--vocab-size", "63",
-           "--pipeline-model-parallel-size", "3", "--global-batch-size", "6", *argv]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    run = pretrain(["--mock-data", "--vocab-size", "63", "--pipeline-model-parallel-size", "3", "--global-batch-size",
+                    "6", *argv], nproc=3, timeout=180)
     out = run.stdout + run.stderr
     ours = [line for line in out.splitlines() if line.startswith(PREFIX)]
     assert len(ours) == 1, out[-4000:]

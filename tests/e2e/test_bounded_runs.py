@@ -1,0 +1,73 @@
+"""The time bound of the end-to-end tests' commands takes down everything a command started, also the
+processes in sessions of their own (torchrun's ranks), which killing its process group leaves
+running."""
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+from bounded_runs import TORCHRUN, kill_tree, run_bounded
+
+# Starts a child in a session of its own, as torchrun starts each rank, names it, and waits.
+SPAWNER = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(child.pid))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+# A torchrun rank that names itself and waits.
+RANK = """
+import os, sys, time
+with open(os.path.join(sys.argv[1], os.environ["RANK"] + ".tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(sys.argv[1], os.environ["RANK"] + ".tmp"), os.path.join(sys.argv[1], os.environ["RANK"]))
+time.sleep(600)
+"""
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not reaped yet by init
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_command_past_its_time_is_killed_with_a_child_in_another_session(tmp_path):
+    named = tmp_path / "child"
+    for timeout in (2, 4, 8, 16, 32, 64):  # long enough for this machine to start two interpreters
+        with pytest.raises(AssertionError, match="did not finish in .* killed with the processes it started"):
+            run_bounded([sys.executable, "-c", SPAWNER, str(named)], timeout)
+        if named.exists():
+            break
+    child = int(named.read_text())
+    deadline = time.monotonic() + 30
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child), f"the child {child} in its own session outlived the bound"
+
+
+def test_kill_tree_takes_torchruns_ranks_with_it(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    agent = psutil.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
+                         stdout=open(os.devnull, "w"), stderr=open(tmp_path / "torchrun.err", "w"))
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / r).exists() for r in ("0", "1")):
+            assert agent.poll() is None, (tmp_path / "torchrun.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "torchrun's ranks did not start"
+            time.sleep(0.2)
+        ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        assert all(psutil.Process(r).ppid() == agent.pid for r in ranks)
+        assert all(os.getsid(r) != os.getsid(agent.pid) for r in ranks)  # why its process group is not enough
+    finally:
+        kill_tree(agent.pid)
+    deadline = time.monotonic() + 30
+    while not all(_gone(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(r) for r in ranks), ranks
