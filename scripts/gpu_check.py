@@ -25,10 +25,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -428,11 +427,12 @@ def fp16_loss_scale() -> Tuple[str, str]:
 
 def _run(cmd: List[str], timeout: float, env=None) -> Tuple[int, str]:
     full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
-    except subprocess.TimeoutExpired:
+    from megatron_vshape.testing.processes import run
+
+    code, out, err = run(cmd, timeout, cwd=ROOT, env=full_env)  # past the bound, its ranks go down with it
+    if code is None:
         return 124, f"no result within {timeout:g} s"
-    return done.returncode, done.stdout + done.stderr
+    return code, out + err
 
 
 def verify_row(schedule: str, pp: int, backend: str, timeout: float) -> Row:

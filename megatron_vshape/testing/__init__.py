@@ -1,2 +1,3 @@
 """Test and demo helpers: a tiny GPT with layout-independent weights and data, and its
-non-pipelined reference run.  Not used by the runtime."""
+non-pipelined reference run; timed steps for the CPU benchmarks; commands bounded in time with
+everything they start.  Not used by the runtime."""

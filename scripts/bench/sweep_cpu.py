@@ -18,13 +18,15 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from megatron_vshape.testing.processes import kill_tree  # noqa: E402
+
 TRAIN_SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
 DEFAULT_CONFIGS = [ROOT / "configs" / "tiny" / "tiny-cpu.yaml", ROOT / "configs" / "tiny" / "tiny-cpu-pp2.yaml"]
 SCHEDULES = ("1f1b", "1f1b-interleaved", "v-min", "v-half", "v-zb")
@@ -51,11 +53,11 @@ def run_one(config: Path, schedule: str, nproc: int, log: Path, extra, timeout: 
         f.write("VSHAPE_RUN " + json.dumps({"config_name": config.stem, "schedule": schedule, "nproc": nproc}) + "\n")
         f.write("vshape: " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the group we started
+            kill_tree(proc.pid)  # torchrun and its ranks, each in a session of its own
             proc.wait()
             code = 124
             f.write(f"vshape: killed after --timeout={timeout:.0f}s\n")

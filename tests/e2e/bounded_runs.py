@@ -1,7 +1,6 @@
 """Commands the end-to-end tests run, each with a hard time bound that takes the whole process tree
-with it.  torchrun starts every rank in a session of its own, so killing torchrun, or its process
-group, would leave the ranks running (blocked in a collective until gloo's own timeout) on the
-machine the rest of the suite shares; the tree is collected from the parent links instead."""
+with it (megatron_vshape.testing.processes: torchrun's ranks would outlive torchrun otherwise, on
+the machine the rest of the suite shares)."""
 from __future__ import annotations
 
 import json
@@ -11,52 +10,25 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import psutil
+from megatron_vshape.testing import processes
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 PRETRAIN = str(REPO / "scripts" / "pretrain_gpt.py")
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it, whatever session each is in, and reap them."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in tree:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=30)
-
-
 def run_bounded(cmd: Sequence[str], timeout: float, extra_path: Optional[str] = None,
                 env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run `cmd` in the repository with the repository on PYTHONPATH.  After `timeout` seconds it is
-    killed with everything it started and the test fails with its output so far; a test that ends
-    otherwise (pytest-timeout, an interrupt) takes the tree down the same way."""
+    killed with everything it started (processes.run) and the test fails with its output so far."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     PYTHONPATH=os.pathsep.join(p for p in (str(REPO), extra_path, os.environ.get("PYTHONPATH")) if p))
     full_env.update(env or {})
-    proc = subprocess.Popen(list(cmd), cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # something it started outside its tree still holds the pipes
-            out, err = "", ""
+    code, out, err = processes.run(cmd, timeout, cwd=REPO, env=full_env)
+    if code is None:
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout:.0f}s; killed with the processes it "
                              f"started.\n{out[-3000:]}\n{err[-3000:]}")
-    except BaseException:
-        kill_tree(proc.pid)
-        raise
-    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+    return subprocess.CompletedProcess(list(cmd), code, out, err)
 
 
 def pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 280,
