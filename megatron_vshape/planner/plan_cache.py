@@ -50,12 +50,13 @@ class PlanCache:
         if args in self.memory:
             self.memory.move_to_end(args)
             return self.memory[args]
-        path = self._path(args)
-        value = self._read(path, args) if path else None
+        name = repr(args)
+        path = self._path(name)
+        value = self._read(path, name) if path else None
         if value is None:
             value = self.fn(*args)
             if path:
-                self._write(path, args, value)
+                self._write(path, name, value)
         self.memory[args] = value
         if len(self.memory) > self.size:
             self.memory.popitem(last=False)
@@ -66,32 +67,32 @@ class PlanCache:
         self.since = time.time_ns()
 
     @staticmethod
-    def _path(args) -> Optional[pathlib.Path]:
+    def _path(name: str) -> Optional[pathlib.Path]:
         root = os.environ.get(ENV)
         if not root:
             return None
-        key = hashlib.sha256(f"{code_version()}\0{args!r}".encode()).hexdigest()[:32]
+        key = hashlib.sha256(f"{code_version()}\0{name}".encode()).hexdigest()[:32]
         return pathlib.Path(root) / f"{key}.json"
 
-    def _read(self, path: pathlib.Path, args):
+    def _read(self, path: pathlib.Path, name: str):
         try:
             if path.stat().st_mtime_ns < self.since:
                 return None
             data = json.loads(path.read_text())
-            if data["args"] != repr(args):
+            if data["args"] != name:
                 return None
             return tuple(tuple(ops) for ops in data["order"]), data["how"]
         except (OSError, ValueError, KeyError, TypeError):
             return None  # absent, half-gone or not ours: planned again and rewritten
 
-    def _write(self, path: pathlib.Path, args, value) -> None:
+    def _write(self, path: pathlib.Path, name: str, value) -> None:
         order, how = value
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump({"args": repr(args), "order": [list(ops) for ops in order], "how": how}, f)
+                json.dump({"args": name, "order": [list(ops) for ops in order], "how": how}, f)
             os.replace(tmp, path)
         except OSError as exc:  # a full or read-only disk costs the next process a search, nothing more
             if tmp is not None and os.path.exists(tmp):
