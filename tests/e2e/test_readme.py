@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from megatron_vshape.testing import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 120  # seconds per command (a loaded 2-core machine): a README command that needs more belongs in SKIP, with its reason
 
@@ -129,13 +131,11 @@ def test_the_readme_has_commands_to_run():
 def test_readme_command_runs_as_printed(command, skip, scratch):
     if skip:
         pytest.skip(skip)
-    try:
-        r = subprocess.run(["bash", "-c", command], cwd=scratch, env=_env(scratch), capture_output=True, text=True,
-                           timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
+    code, out, err = processes.run(["bash", "-c", command], TIMEOUT, cwd=scratch, env=_env(scratch))
+    if code is None:  # killed with whatever it started
         pytest.fail(f"{command!r} ran past {TIMEOUT}s: make it quicker or add a SKIP rule with the reason")
-    assert r.returncode == 0, f"{command}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-    assert "Traceback" not in r.stderr, r.stderr
+    assert code == 0, f"{command}\nexit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in err, err
 
 
 # ---- the figures the README quotes -------------------------------------------------------------
