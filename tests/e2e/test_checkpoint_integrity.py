@@ -9,6 +9,7 @@ import os
 import pytest
 
 from bounded_runs import losses_by_iteration, pretrain
+
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
          "--mock-data", "--vocab-size", "63", "--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bounded_runs import pretrain
+
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e4",
          "--lr-decay-style", "constant", "--mock-data", "--vocab-size", "63",

@@ -5,6 +5,7 @@ the block."""
 import pytest
 
 from bounded_runs import pretrain
+
 PREFIX = "megatron-vshape pretrain: error: "
 
 
