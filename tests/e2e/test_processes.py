@@ -2,6 +2,7 @@
 started, also the processes in sessions of their own (torchrun's ranks), which killing its process
 group leaves running."""
 import os
+import subprocess
 import sys
 import time
 
@@ -37,6 +38,14 @@ def _gone(pid):
         return True
 
 
+def _all_gone(pids, within=30):
+    """Whether every pid is gone within `within` seconds (init reaps them in its own time)."""
+    deadline = time.monotonic() + within
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(_gone(p) for p in pids)
+
+
 def test_a_command_past_its_time_is_killed_with_a_child_in_another_session(tmp_path):
     named = tmp_path / "child"
     for timeout in (2, 4, 8, 16, 32, 64):  # long enough for this machine to start two interpreters
@@ -45,29 +54,25 @@ def test_a_command_past_its_time_is_killed_with_a_child_in_another_session(tmp_p
         if named.exists():
             break
     child = int(named.read_text())
-    deadline = time.monotonic() + 30
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(child), f"the child {child} in its own session outlived the bound"
+    assert _all_gone([child]), f"the child {child} in its own session outlived the bound"
 
 
 def test_kill_tree_takes_torchruns_ranks_with_it(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    agent = psutil.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
-                         stdout=open(os.devnull, "w"), stderr=open(tmp_path / "torchrun.err", "w"))
-    try:
-        deadline = time.monotonic() + 240
-        while not all((tmp_path / r).exists() for r in ("0", "1")):
-            assert agent.poll() is None, (tmp_path / "torchrun.err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "torchrun's ranks did not start"
-            time.sleep(0.2)
-        ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
-        assert all(psutil.Process(r).ppid() == agent.pid for r in ranks)
-        assert all(os.getsid(r) != os.getsid(agent.pid) for r in ranks)  # why its process group is not enough
-    finally:
-        kill_tree(agent.pid)
-    deadline = time.monotonic() + 30
-    while not all(_gone(r) for r in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(r) for r in ranks), ranks
+    with open(tmp_path / "torchrun.err", "w") as err:
+        agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
+                                 stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 240
+            while not all((tmp_path / r).exists() for r in ("0", "1")):
+                assert agent.poll() is None, (tmp_path / "torchrun.err").read_text()[-3000:]
+                assert time.monotonic() < deadline, "torchrun's ranks did not start"
+                time.sleep(0.2)
+            ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+            assert all(psutil.Process(r).ppid() == agent.pid for r in ranks)
+            assert all(os.getsid(r) != os.getsid(agent.pid) for r in ranks)  # why its process group is not enough
+        finally:
+            kill_tree(agent.pid)
+            agent.wait()  # reaped by kill_tree already: this Popen learns it
+    assert _all_gone(ranks), ranks
