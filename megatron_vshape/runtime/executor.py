@@ -21,6 +21,9 @@ Rules derived from the op list (stated once, here):
   * Param sync: `config.param_sync_func[c]` is called right before chunk c's first F.
   * GPU rule (docs/architecture.md): from opening the channels (the first posted receive) to
     P2P.finish(), nothing blocks the host on the device; op times are read after it.
+  * Agreement: at the first step of each size every pipeline rank compares a hash of the
+    messages it would exchange (`_same_messages_everywhere`); a difference is a ConfigError on
+    every rank before any message moves.
   * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
     and token count are shipped to the last pipeline rank, which returns them, as Megatron
     expects; other ranks return [].
@@ -28,6 +31,7 @@ Rules derived from the op list (stated once, here):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -40,7 +44,7 @@ from ..schedule.ops import B, BW, F, W, Costs, Schedule
 from ..schedule.verify import forward_only_order, forward_only_view, verify
 from . import compat, wgrad
 from .microbatch_data import bind, for_op
-from .p2p import P2P, local_activation, tensor_shape
+from .p2p import P2P, agree, local_activation, tensor_shape
 
 DEFAULT_P2P_TIMEOUT = 300.0
 
@@ -68,6 +72,7 @@ class _Executor:
         self.stage_costs = None  # measured per-stage costs once replan() has run
         self._last_step: Optional[tuple] = None  # (pp, microbatches, rank, device) of the latest training step
         self._cache: Dict[Tuple[int, int, bool, int], tuple] = {}
+        self._agreed: set = set()  # (pp, microbatches, forward_only) whose messages every pipeline rank agreed on
         self.__name__ = f"forward_backward_{getattr(schedule, 'name', schedule)}"
 
     def replan(self, group=None, hop_latency: float = 0.0) -> Schedule:
@@ -77,6 +82,11 @@ class _Executor:
         from .replan import replan_executor
 
         return replan_executor(self, group, hop_latency)
+
+    def forget_plans(self) -> None:
+        """Drop every cached plan (and the ranks' agreement on it): the next step plans anew."""
+        self._cache.clear()
+        self._agreed.clear()
 
     # The schedule and its per-rank plan, generated identically on every rank and cached.
     def _plan(self, pp: int, m: int, forward_only: bool, rank: int):
@@ -125,6 +135,35 @@ class _Executor:
                      pg_collection, force_all_reduce).run()
 
 
+def _same_messages_everywhere(sched: Schedule, chans, streams: int, pp_ranks, device, timeout: float) -> None:
+    """Every pipeline rank plans on its own (the search is deterministic), and messages carry no
+    names: ranks whose channels disagree (another megatron_vshape on some node, other flags)
+    would pair tensors with the wrong microbatch or wait until the p2p timeout.  So each rank's
+    hash of what crosses ranks, in order, is compared once per schedule size, before the first
+    receive is posted; a difference is a ConfigError on every rank, with the planner sources'
+    hash of each (W's, which never cross ranks, may differ)."""
+    from ..planner.plan_cache import code_version
+
+    crossing = repr((sched.placement.kind, sched.placement.chunks, sched.pp, sched.microbatches, streams,
+                     sorted((key, [str(msg) for msg in msgs]) for key, msgs in chans.items())))
+    seen = agree(pp_ranks, [_hash(crossing), _hash(code_version())], device, timeout)
+    if len(set(seen)) == 1:
+        return
+    ranks: Dict[tuple, List[int]] = {}
+    for r, got in enumerate(seen):
+        ranks.setdefault(got, []).append(r)
+    said = "; ".join(f"pipeline ranks {rs}: messages {got[0]:015x}, planner sources {got[1]:015x}"
+                     for got, rs in ranks.items())
+    raise ConfigError(f"the pipeline ranks planned different messages for schedule {sched.name!r} at pp={sched.pp}, "
+                      f"microbatches={sched.microbatches} ({said}); install the same megatron_vshape on every node "
+                      "and give every rank the same schedule, costs and memory budget")
+
+
+def _hash(text: str) -> int:
+    """60 bits of the text's SHA-256: an int64 every backend can all_gather."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
 def _groups(pg_collection, p2p_communicator):
     """(pp, tp, cp) process groups, from pg_collection or megatron-core's parallel_state."""
     from megatron.core import parallel_state as ps
@@ -161,6 +200,11 @@ class _Step:
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         self.pp, self.rank = len(self.pp_ranks), self.pp_ranks.index(dist.get_rank())
         self.sched, self.plan, chans, streams = ex._plan(self.pp, m, forward_only, self.rank)
+        params = next(self.model[0].parameters())
+        self.device = params.device
+        if (self.pp, m, forward_only) not in ex._agreed:  # first, before any per-rank check could differ
+            _same_messages_everywhere(self.sched, chans, streams, self.pp_ranks, self.device, ex.p2p_timeout)
+            ex._agreed.add((self.pp, m, forward_only))
         self.placement = self.sched.placement
         if len(self.model) != self.placement.chunks:
             raise ConfigError(f"schedule {self.sched.name!r} places {self.placement.chunks} model chunk(s) per rank "
@@ -176,8 +220,6 @@ class _Step:
         self.cp_size = cp_group.size() if cp_group is not None else 1
         self.S = self.placement.num_stages
         self.loss_rank = self.placement.rank_of(self.S - 1)
-        params = next(self.model[0].parameters())
-        self.device = params.device
         if not forward_only:
             ex._last_step = (self.pp, m, self.rank, self.device)
         dtype = self.config.pipeline_dtype or params.dtype

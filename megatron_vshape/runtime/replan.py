@@ -167,7 +167,7 @@ def replan_executor(ex, group=None, hop_latency: float = 0.0) -> Schedule:
     # budget) leaves the executor running the schedule it had.
     registry.build(name, pp, m, costs, stage_costs=table, **options)
     ex.costs, ex.schedule_options, ex.stage_costs, ex.schedule = costs, options, table, name
-    ex._cache.clear()
+    ex.forget_plans()
     new = ex._plan(pp, m, False, rank)[0]
     new.meta["order_changed"] = new.ranks != current.ranks
     return new

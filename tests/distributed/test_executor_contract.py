@@ -149,6 +149,17 @@ def _misuse(rank, pp, m):
             messages.append(None)
         except ConfigError as exc:
             messages.append(str(exc))
+    # Ranks that planned differently (another megatron_vshape on a node): W's alone may differ, since
+    # they never cross ranks; other messages are refused on every rank before any is exchanged.
+    for first in ("local/v/split/reversed", "v-zb"):
+        mine = build(first, pp, m) if rank == 0 else sched
+        model = _chunks(mine, rank, _config())
+        try:
+            losses = _fb("local/", mine)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
+                                         num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+            messages.append([d["loss"].item() for d in losses])
+        except ConfigError as exc:
+            messages.append(str(exc))
     return messages
 
 
@@ -157,10 +168,15 @@ def test_contract(pp):
     m = 2 * pp + 1
     jobs = launch(_job, pp, (m,), timeout=240)
     for job in jobs:
-        one_chunk, other_sizes, one_no_sync = job["misuse"]
+        one_chunk, other_sizes, one_no_sync, w_differ, planned_apart = job["misuse"]
+        assert not isinstance(w_differ, str), w_differ
+        assert isinstance(planned_apart, str) and "planned different messages" in planned_apart, planned_apart
+        assert "pipeline ranks [0]: messages" in planned_apart and "install the same megatron_vshape" in planned_apart
         assert one_chunk and "places 2 model chunk(s) per rank" in one_chunk
         assert other_sizes and f"microbatches={m + 1}" in other_sizes and f"num_microbatches={m}" in other_sizes
         assert one_no_sync and "pass a list with one per chunk" in one_no_sync
+    torch.testing.assert_close(torch.tensor(jobs[pp - 1]["misuse"][3]),  # W's apart: the same losses
+                               torch.tensor(jobs[0]["v-zb"]["reference"][0]), rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.tensor(jobs[pp - 1]["v-half eval_one"]),
                                torch.tensor(jobs[0]["v-zb"]["reference"][0][:1]), rtol=1e-6, atol=0)
     for name in SCHEDULES:
@@ -203,8 +219,9 @@ def test_contract(pp):
                 assert err < 1e-5, f"{name}: {k} relative error {err:.1e}"
 
 
-def _stuck_job(rank, world_size):
-    """Rank 1 never joins the step: rank 0 must fail with a clear error instead of hanging."""
+def _stuck_job(rank, world_size, steps_before):
+    """Rank 1 never joins step `steps_before` + 1: rank 0 must fail with a clear error instead of
+    hanging (at the first step, where the ranks compare plans, or at a later one's receive)."""
     from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
     from megatron_vshape.runtime.p2p import directional_groups
 
@@ -213,16 +230,22 @@ def _stuck_job(rank, world_size):
     import torch.distributed as dist
 
     directional_groups(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
-    if rank == 1:
-        import time
-
-        time.sleep(30)
-        return None
     sched = build("local/v/split/now", world_size, 2)
     cfg = _config()
     chunks = _chunks(sched, rank, cfg)
-    _fb("local/v", sched, p2p_timeout=2)(forward_step_func=forward_step, data_iterator=_iters(chunks, 2),
-                                         model=chunks, num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS)
+    # Steps both ranks run get a timeout no loaded machine reaches; the stuck one 2 s, from a barrier.
+    step = _fb("local/v", sched, p2p_timeout=2 if steps_before == 0 else 120)
+    for k in range(steps_before + 1):
+        if k == steps_before > 0:
+            dist.barrier()
+            step.p2p_timeout = 2
+        if rank == 1 and k == steps_before:
+            import time
+
+            time.sleep(30)
+            return None
+        step(forward_step_func=forward_step, data_iterator=_iters(chunks, 2), model=chunks, num_microbatches=2,
+             seq_length=SEQ, micro_batch_size=MBS)
     destroy_megatron()
 
 
@@ -234,4 +257,10 @@ def test_stuck_receive_names_rank_op_and_peer(backend):
                                           r"act0:2->3 from rank 1: nothing arrived within 2s "
                                           r"\(raise --pipeline-p2p-timeout"):  # the driver's flag
         # The 2 s receive timeout runs once the ranks are ready; the groups' own timeout is far longer.
-        launch(_stuck_job, 2, timeout=240, backend=backend, pg_timeout=200)
+        launch(_stuck_job, 2, (1,), timeout=240, backend=backend, pg_timeout=200)
+
+
+def test_a_rank_missing_its_first_step_is_named_where_the_ranks_compare_plans():
+    with pytest.raises(LaunchError, match=r"rank 0 of 2 failed(.|\n)*P2PTimeout: rank 0: comparing plans with the other "
+                                          r"pipeline ranks, not every one arrived within 2s \(raise --pipeline-p2p-timeout"):
+        launch(_stuck_job, 2, (0,), timeout=240, pg_timeout=200)
