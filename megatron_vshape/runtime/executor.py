@@ -21,9 +21,9 @@ Rules derived from the op list (stated once, here):
   * Param sync: `config.param_sync_func[c]` is called right before chunk c's first F.
   * GPU rule (docs/architecture.md): from opening the channels (the first posted receive) to
     P2P.finish(), nothing blocks the host on the device; op times are read after it.
-  * Agreement: at the first step of each size every pipeline rank compares a hash of the
-    messages it would exchange (`_same_messages_everywhere`); a difference is a ConfigError on
-    every rank before any message moves.
+  * Agreement: at the first step of each size every rank compares a hash of the whole schedule
+    with its pipeline, tensor- and context-parallel peers (`_same_plan_everywhere`); a difference
+    is a ConfigError on every rank before any message moves.
   * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
     and token count are shipped to the last pipeline rank, which returns them, as Megatron
     expects; other ranks return [].
@@ -72,7 +72,7 @@ class _Executor:
         self.stage_costs = None  # measured per-stage costs once replan() has run
         self._last_step: Optional[tuple] = None  # (pp, microbatches, rank, device) of the latest training step
         self._cache: Dict[Tuple[int, int, bool, int], tuple] = {}
-        self._agreed: set = set()  # (pp, microbatches, forward_only) whose messages every pipeline rank agreed on
+        self._agreed: set = set()  # (pp, microbatches, forward_only) whose schedule the peers agreed on
         self.__name__ = f"forward_backward_{getattr(schedule, 'name', schedule)}"
 
     def replan(self, group=None, hop_latency: float = 0.0) -> Schedule:
@@ -135,28 +135,33 @@ class _Executor:
                      pg_collection, force_all_reduce).run()
 
 
-def _same_messages_everywhere(sched: Schedule, chans, streams: int, pp_ranks, device, timeout: float) -> None:
-    """Every pipeline rank plans on its own (the search is deterministic), and messages carry no
-    names: ranks whose channels disagree (another megatron_vshape on some node, other flags)
-    would pair tensors with the wrong microbatch or wait until the p2p timeout.  So each rank's
-    hash of what crosses ranks, in order, is compared once per schedule size, before the first
-    receive is posted; a difference is a ConfigError on every rank, with the planner sources'
-    hash of each (W's, which never cross ranks, may differ)."""
+def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout: float) -> None:
+    """Every rank plans on its own (the search is deterministic), and nothing a rank exchanges
+    carries a name: pipeline ranks whose plans differ (another megatron_vshape on some node,
+    other flags) pair tensors with the wrong microbatch and train on with wrong losses, and
+    tensor- or context-parallel peers running their ops in another order (a W re-gathers its
+    input under sequence parallelism) pair their collectives wrongly.  So every rank's hash of
+    the whole schedule is compared over each of `groups` ((peers, group), in the same order on
+    every rank), once per schedule size, before the first receive is posted; a difference is a
+    ConfigError on every member, naming each rank's hash and its planner sources' hash."""
     from ..planner.plan_cache import code_version
 
-    crossing = repr((sched.placement.kind, sched.placement.chunks, sched.pp, sched.microbatches, streams,
-                     sorted((key, [str(msg) for msg in msgs]) for key, msgs in chans.items())))
-    seen = agree(pp_ranks, [_hash(crossing), _hash(code_version())], device, timeout)
-    if len(set(seen)) == 1:
-        return
-    ranks: Dict[tuple, List[int]] = {}
-    for r, got in enumerate(seen):
-        ranks.setdefault(got, []).append(r)
-    said = "; ".join(f"pipeline ranks {rs}: messages {got[0]:015x}, planner sources {got[1]:015x}"
-                     for got, rs in ranks.items())
-    raise ConfigError(f"the pipeline ranks planned different messages for schedule {sched.name!r} at pp={sched.pp}, "
-                      f"microbatches={sched.microbatches} ({said}); install the same megatron_vshape on every node "
-                      "and give every rank the same schedule, costs and memory budget")
+    whole = repr((sched.placement.kind, sched.placement.chunks, sched.pp, sched.microbatches, streams,
+                  [[str(op) for op in ops] for ops in sched.ranks]))
+    mine = [_hash(whole), _hash(code_version())]
+    for peers, group in groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        seen = agree(group, mine, device, timeout, peers)
+        if len(set(seen)) == 1:
+            continue
+        ranks: Dict[tuple, List[int]] = {}
+        for r, got in zip(dist.get_process_group_ranks(group), seen):
+            ranks.setdefault(got, []).append(r)
+        said = "; ".join(f"ranks {rs}: schedule {got[0]:015x}, planner sources {got[1]:015x}" for got, rs in ranks.items())
+        raise ConfigError(f"the {peers} ranks planned schedule {sched.name!r} differently at pp={sched.pp}, "
+                          f"microbatches={sched.microbatches} ({said}); install the same megatron_vshape on every node "
+                          "and give every rank the same schedule, costs and memory budget")
 
 
 def _hash(text: str) -> int:
@@ -203,7 +208,8 @@ class _Step:
         params = next(self.model[0].parameters())
         self.device = params.device
         if (self.pp, m, forward_only) not in ex._agreed:  # first, before any per-rank check could differ
-            _same_messages_everywhere(self.sched, chans, streams, self.pp_ranks, self.device, ex.p2p_timeout)
+            _same_plan_everywhere(self.sched, streams, [("pipeline", self.pp_group), ("tensor-parallel", tp_group),
+                                                        ("context-parallel", cp_group)], self.device, ex.p2p_timeout)
             ex._agreed.add((self.pp, m, forward_only))
         self.placement = self.sched.placement
         if len(self.model) != self.placement.chunks:

@@ -37,7 +37,6 @@ from ..schedule.comm import Message
 # communicators of one direction (schedule.comm.channel_streams), made in the same order everywhere.
 _GROUPS: Dict[Tuple[int, ...], Dict[Tuple[int, int, int], dist.ProcessGroup]] = {}
 _MADE: Dict[Tuple[int, ...], Tuple[list, int]] = {}  # pipeline ranks -> (every pipeline of the world, streams made)
-_WHOLE: Dict[Tuple[int, ...], dist.ProcessGroup] = {}  # pipeline ranks -> its group with the p2p timeout
 
 
 class P2PTimeout(RuntimeError):
@@ -66,22 +65,17 @@ def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] =
     groups is collective over the whole world, so every rank learns every pipeline's ranks first
     and all ranks create the same groups in the same order; every rank runs the same schedule, so
     all ask for the same `streams`.  Cached: call it from every rank on the first step (the
-    executor does), and again when a schedule needs more streams.  The first call also makes each
-    pipeline's own group, with the same timeout, for agree().
+    executor does), and again when a schedule needs more streams.
     """
     key = tuple(pp_ranks)
-    me, limit = dist.get_rank(), None if timeout is None else timedelta(seconds=timeout)
     if key not in _MADE:
         pipelines: List[Optional[Tuple[int, ...]]] = [None] * dist.get_world_size()
         dist.all_gather_object(pipelines, key)
         _MADE[key] = (sorted(set(pipelines)), 0)
-        for ranks in _MADE[key][0]:  # collective too: each pipeline's own group, for agree()
-            group = dist.new_group(list(ranks), timeout=limit, group_desc=f"vshape plan check {ranks[0]}..{ranks[-1]}")
-            if me in ranks:
-                _WHOLE[key] = group
     world, made = _MADE[key]
     if made >= streams:
         return _GROUPS[key]
+    me, limit = dist.get_rank(), None if timeout is None else timedelta(seconds=timeout)
     new = []
     for stream in range(made, streams):
         for ranks in world:
@@ -102,23 +96,21 @@ def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] =
     return _GROUPS[key]
 
 
-def agree(pp_ranks: Sequence[int], values: Sequence[int], device: torch.device, timeout: float) -> List[Tuple[int, ...]]:
-    """Every pipeline rank's `values` (int64s), gathered over the pipeline's own group, whose
-    timeout is the channels' (directional_groups makes it): a rank that never arrives is a
-    P2PTimeout here on gloo, and the watchdog's error naming "vshape plan check" on NCCL.  Call it
-    from every pipeline rank, before the step's first receive is posted (it waits on the host)."""
-    directional_groups(pp_ranks, device, timeout)
-    group = _WHOLE[tuple(pp_ranks)]
+def agree(group, values: Sequence[int], device: torch.device, timeout: float, peers: str) -> List[Tuple[int, ...]]:
+    """Every member's `values` (int64s) gathered over `group`, by its rank in the group.  Call it
+    from every member before the step's first receive is posted (it waits on the host).  On gloo
+    the wait is bounded by `timeout`: a member that never arrives is a P2PTimeout naming `peers`
+    (on NCCL the group's own timeout and watchdog apply)."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in pp_ranks]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
-    if torch.device(device).type == "cpu":  # gloo: a bounded wait on the host
+    if torch.device(device).type == "cpu":
         try:
             work.wait(timedelta(seconds=timeout))
         except RuntimeError as exc:
-            raise P2PTimeout(f"rank {list(pp_ranks).index(dist.get_rank())}: comparing plans with the other pipeline "
-                             f"ranks, not every one arrived within {timeout:g}s (raise --pipeline-p2p-timeout, "
-                             f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
+            raise P2PTimeout(f"rank {dist.get_rank()}: comparing plans with the other {peers} ranks, not every one "
+                             f"arrived within {timeout:g}s (raise --pipeline-p2p-timeout, or get_forward_backward_func's "
+                             f"p2p_timeout, to wait longer)") from exc
     else:
         work.wait()
     return [tuple(t.tolist()) for t in everyone]
