@@ -22,8 +22,8 @@ Rules derived from the op list (stated once, here):
   * GPU rule (docs/architecture.md): from opening the channels (the first posted receive) to
     P2P.finish(), nothing blocks the host on the device; op times are read after it.
   * Agreement: at the first step of each size every rank compares a hash of the whole schedule
-    with its pipeline, tensor- and context-parallel peers (`_same_plan_everywhere`); a difference
-    is a ConfigError on every rank before any message moves.
+    with its pipeline, tensor-, context- and expert-parallel peers (`_same_plan_everywhere`); a
+    difference is a ConfigError on every rank before any message moves.
   * Loss: computed on the rank holding the last stage (rank 0 in the V shape).  Its loss dicts
     and token count are shipped to the last pipeline rank, which returns them, as Megatron
     expects; other ranks return [].
@@ -139,8 +139,8 @@ def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout
     """Every rank plans on its own (the search is deterministic), and nothing a rank exchanges
     carries a name: pipeline ranks whose plans differ (another megatron_vshape on some node,
     other flags) pair tensors with the wrong microbatch and train on with wrong losses, and
-    tensor- or context-parallel peers running their ops in another order (a W re-gathers its
-    input under sequence parallelism) pair their collectives wrongly.  So every rank's hash of
+    tensor-, context- or expert-parallel peers running their ops in another order (a W
+    re-gathers its input under sequence parallelism) pair their collectives wrongly.  So every rank's hash of
     the whole schedule is compared over each of `groups` ((peers, group), in the same order on
     every rank), once per schedule size, before the first receive is posted; a difference is a
     ConfigError on every member, naming each rank's hash and its planner sources' hash."""
@@ -167,6 +167,15 @@ def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout
 def _hash(text: str) -> int:
     """60 bits of the text's SHA-256: an int64 every backend can all_gather."""
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _expert_group(pg_collection):
+    """The expert-model-parallel group (None where Megatron made none)."""
+    from megatron.core import parallel_state as ps
+
+    if pg_collection is not None:
+        return getattr(pg_collection, "ep", None)
+    return ps.get_expert_model_parallel_group(check_initialized=False)
 
 
 def _groups(pg_collection, p2p_communicator):
@@ -208,8 +217,9 @@ class _Step:
         params = next(self.model[0].parameters())
         self.device = params.device
         if (self.pp, m, forward_only) not in ex._agreed:  # first, before any per-rank check could differ
-            _same_plan_everywhere(self.sched, streams, [("pipeline", self.pp_group), ("tensor-parallel", tp_group),
-                                                        ("context-parallel", cp_group)], self.device, ex.p2p_timeout)
+            peers = [("pipeline", self.pp_group), ("tensor-parallel", tp_group), ("context-parallel", cp_group),
+                     ("expert-parallel", _expert_group(pg_collection))]  # MoE's all-to-all spans data-parallel replicas
+            _same_plan_everywhere(self.sched, streams, peers, self.device, ex.p2p_timeout)
             ex._agreed.add((self.pp, m, forward_only))
         self.placement = self.sched.placement
         if len(self.model) != self.placement.chunks:

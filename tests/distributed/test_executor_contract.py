@@ -247,17 +247,19 @@ def _stuck_job(rank, world_size, steps_before):
     destroy_megatron()
 
 
-def _apart_job(rank, world_size):
-    """Two pipelines of two ranks (TP=2), each agreeing within itself, on different schedules."""
+def _apart_job(rank, world_size, tp, ep):
+    """Two pipelines of two ranks, each agreeing within itself, on different schedules: tensor-
+    parallel peers (tp=2), or data-parallel replicas that share experts (ep=2)."""
     from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
     from megatron_vshape.schedule.errors import ConfigError
     from megatron.core import parallel_state as ps
 
-    init_megatron(tp=2, pp=2)
-    m = 5
-    sched = build("v-zb" if ps.get_tensor_model_parallel_rank() == 1 else "local/v/split/now", 2, m)
-    tp_rank, cfg = ps.get_tensor_model_parallel_rank(), _config()
-    model = [Stage(cfg, s, sched.placement.num_stages, tp_rank, 2)
+    init_megatron(tp=tp, pp=2, expert_model_parallel_size=ep)
+    m, tp_rank = 5, ps.get_tensor_model_parallel_rank()
+    other = tp_rank if tp > 1 else ps.get_data_parallel_rank()
+    sched = build("v-zb" if other == 1 else "local/v/split/now", 2, m)
+    cfg = _config()
+    model = [Stage(cfg, s, sched.placement.num_stages, tp_rank, tp)
              for s in sched.placement.stages_of(ps.get_pipeline_model_parallel_rank())]
     try:
         _fb("local/", sched)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
@@ -269,9 +271,10 @@ def _apart_job(rank, world_size):
     return said
 
 
-def test_tensor_parallel_peers_that_planned_apart_are_refused_on_every_rank():
-    for said in launch(_apart_job, 4, timeout=240):
-        assert said and "the tensor-parallel ranks planned schedule" in said, said
+@pytest.mark.parametrize("peers, tp, ep", [("tensor-parallel", 2, 1), ("expert-parallel", 1, 2)])
+def test_peers_that_planned_apart_are_refused_on_every_rank(peers, tp, ep):
+    for said in launch(_apart_job, 4, (tp, ep), timeout=240):
+        assert said and f"the {peers} ranks planned schedule" in said, said
         assert "install the same megatron_vshape" in said
 
 
