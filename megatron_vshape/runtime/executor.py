@@ -140,10 +140,11 @@ def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout
     carries a name: pipeline ranks whose plans differ (another megatron_vshape on some node,
     other flags) pair tensors with the wrong microbatch and train on with wrong losses, and
     tensor-, context- or expert-parallel peers running their ops in another order (a W
-    re-gathers its input under sequence parallelism) pair their collectives wrongly.  So every rank's hash of
-    the whole schedule is compared over each of `groups` ((peers, group), in the same order on
-    every rank), once per schedule size, before the first receive is posted; a difference is a
-    ConfigError on every member, naming each rank's hash and its planner sources' hash."""
+    re-gathers its input under sequence parallelism) pair their collectives wrongly.  So each
+    rank's hash of the whole schedule is compared over each of `groups` ((peers, group), in the
+    same order on every rank), once per schedule size, before the first receive is posted; a
+    difference is a ConfigError on every member, naming each rank's hash and its planner
+    sources' hash."""
     from ..planner.plan_cache import code_version
 
     whole = repr((sched.placement.kind, sched.placement.chunks, sched.pp, sched.microbatches, streams,
