@@ -143,8 +143,8 @@ def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout
     re-gathers its input under sequence parallelism) pair their collectives wrongly.  So each
     rank's hash of the whole schedule is compared over each of `groups` ((peers, group), in the
     same order on every rank), once per schedule size, before the first receive is posted; a
-    difference is a ConfigError on every member, naming each rank's hash and its planner
-    sources' hash."""
+    difference in the schedule is a ConfigError on every member, naming each rank's hash and its
+    planner sources' hash (which says whether to install the same package or pass the same flags)."""
     from ..planner.plan_cache import code_version
 
     whole = repr((sched.placement.kind, sched.placement.chunks, sched.pp, sched.microbatches, streams,
@@ -154,15 +154,17 @@ def _same_plan_everywhere(sched: Schedule, streams: int, groups, device, timeout
         if group is None or dist.get_world_size(group) == 1:
             continue
         seen = agree(group, mine, device, timeout, peers)
-        if len(set(seen)) == 1:
-            continue
+        if len({schedule for schedule, _ in seen}) == 1:
+            continue  # the same schedule, whatever planner made it
         ranks: Dict[tuple, List[int]] = {}
         for r, got in zip(dist.get_process_group_ranks(group), seen):
             ranks.setdefault(got, []).append(r)
         said = "; ".join(f"ranks {rs}: schedule {got[0]:015x}, planner sources {got[1]:015x}" for got, rs in ranks.items())
+        fix = ("install the same megatron_vshape on every node: the planner sources differ"
+               if len({sources for _, sources in seen}) > 1 else
+               "the planner sources are the same: give every rank the same schedule, costs, memory budget and layout")
         raise ConfigError(f"the {peers} ranks planned schedule {sched.name!r} differently at pp={sched.pp}, "
-                          f"microbatches={sched.microbatches} ({said}); install the same megatron_vshape on every node "
-                          "and give every rank the same schedule, costs and memory budget")
+                          f"microbatches={sched.microbatches} ({said}); {fix}")
 
 
 def _hash(text: str) -> int:

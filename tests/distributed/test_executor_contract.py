@@ -149,10 +149,18 @@ def _misuse(rank, pp, m):
             messages.append(None)
         except ConfigError as exc:
             messages.append(str(exc))
-    # Ranks that planned differently (another megatron_vshape on a node) are refused on every rank
-    # before any message moves: other messages, or other W's alone (a tensor-parallel W may gather).
-    for first in ("local/v/split/reversed", "v-zb"):
+    # Ranks that planned differently are refused on every rank before any message moves: other
+    # messages, or other W's alone (a tensor-parallel W may gather); with the same planner sources
+    # (other flags) or other ones (another megatron_vshape on a node, as rank 0's here), while
+    # other sources that planned the same schedule run.
+    from megatron_vshape.planner import plan_cache
+
+    real = plan_cache.code_version
+    for first, sources in [("local/v/split/reversed", real), ("v-zb", real), ("local/v/split/now", "another"),
+                           ("v-zb", "another")]:
         mine = build(first, pp, m) if rank == 0 else sched
+        if rank == 0 and sources != real:
+            plan_cache.code_version = lambda: sources
         model = _chunks(mine, rank, _config())
         try:
             losses = _fb("local/", mine)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
@@ -160,6 +168,8 @@ def _misuse(rank, pp, m):
             messages.append([d["loss"].item() for d in losses])
         except ConfigError as exc:
             messages.append(str(exc))
+        finally:
+            plan_cache.code_version = real
     return messages
 
 
@@ -168,13 +178,18 @@ def test_contract(pp):
     m = 2 * pp + 1
     jobs = launch(_job, pp, (m,), timeout=240)
     for job in jobs:
-        one_chunk, other_sizes, one_no_sync, *planned_apart = job["misuse"]
-        for said in planned_apart:
+        one_chunk, other_sizes, one_no_sync, w_apart, order_apart, sources_apart, both_apart = job["misuse"]
+        for said in (w_apart, order_apart, both_apart):
             assert isinstance(said, str) and "the pipeline ranks planned schedule" in said, said
-            assert "ranks [0]: schedule" in said and "install the same megatron_vshape" in said
+            assert "ranks [0]: schedule" in said
+        assert "give every rank the same schedule, costs, memory budget and layout" in w_apart + order_apart
+        assert "install the same megatron_vshape on every node: the planner sources differ" in both_apart
+        assert not isinstance(sources_apart, str), sources_apart  # the same schedule from other sources runs
         assert one_chunk and "places 2 model chunk(s) per rank" in one_chunk
         assert other_sizes and f"microbatches={m + 1}" in other_sizes and f"num_microbatches={m}" in other_sizes
         assert one_no_sync and "pass a list with one per chunk" in one_no_sync
+    torch.testing.assert_close(torch.tensor(jobs[pp - 1]["misuse"][5]),  # other sources, the same schedule
+                               torch.tensor(jobs[0]["v-zb"]["reference"][0]), rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.tensor(jobs[pp - 1]["v-half eval_one"]),
                                torch.tensor(jobs[0]["v-zb"]["reference"][0][:1]), rtol=1e-6, atol=0)
     for name in SCHEDULES:
@@ -275,7 +290,7 @@ def _apart_job(rank, world_size, tp, ep):
 def test_peers_that_planned_apart_are_refused_on_every_rank(peers, tp, ep):
     for said in launch(_apart_job, 4, (tp, ep), timeout=240):
         assert said and f"the {peers} ranks planned schedule" in said, said
-        assert "install the same megatron_vshape" in said
+        assert "give every rank the same schedule" in said
 
 
 @pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
