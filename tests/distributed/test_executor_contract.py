@@ -131,7 +131,7 @@ def _job(rank, world_size, m):
 
 
 def _misuse(rank, pp, m):
-    """Configuration mistakes raise ConfigError on every rank before any communication."""
+    """Configuration mistakes raise ConfigError on every rank before any message moves."""
     from megatron_vshape.schedule.errors import ConfigError
 
     sched = build("local/v/split/now", pp, m)
