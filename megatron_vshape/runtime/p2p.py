@@ -98,21 +98,14 @@ def directional_groups(pp_ranks: Sequence[int], device: Optional[torch.device] =
 
 def agree(group, values: Sequence[int], device: torch.device, timeout: float, peers: str) -> List[Tuple[int, ...]]:
     """Every member's `values` (int64s) gathered over `group`, by its rank in the group.  Call it
-    from every member before the step's first receive is posted (it waits on the host).  On gloo
-    the wait is bounded by `timeout`: a member that never arrives is a P2PTimeout naming `peers`
-    (on NCCL the group's own timeout and watchdog apply)."""
+    from every member before the step's first receive is posted (it waits on the host).  The wait
+    is the channels' (bounded_wait): on gloo a member that never arrives is a P2PTimeout naming
+    `peers`; on NCCL the group's own timeout and watchdog apply."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
-    if torch.device(device).type == "cpu":
-        try:
-            work.wait(timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            raise P2PTimeout(f"rank {dist.get_rank()}: comparing plans with the other {peers} ranks, not every one "
-                             f"arrived within {timeout:g}s (raise --pipeline-p2p-timeout, or get_forward_backward_func's "
-                             f"p2p_timeout, to wait longer)") from exc
-    else:
-        work.wait()
+    bounded_wait(work, torch.device(device).type == "cpu", timeout,
+                 f"rank {dist.get_rank()}: comparing plans with the other {peers} ranks, not every one arrived")
     return [tuple(t.tolist()) for t in everyone]
 
 
@@ -200,20 +193,26 @@ class P2P:
         self.sends = []
 
     def _wait(self, work, what: str) -> None:
-        if not self.host_waits:
-            # NCCL: wait() makes the current (compute) stream wait for the communication and
-            # returns; the host never blocks here (see the module docstring for timeouts).
-            work.wait()
-            return
-        # gloo blocks in wait() and honours its timeout: no spinning on shared CPU cores.
-        start = time.monotonic()
-        try:
-            work.wait(timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            if time.monotonic() - start < self.timeout * 0.99 and "imeout" not in str(exc):
-                raise
-            raise P2PTimeout(f"{what}: nothing arrived within {self.timeout:g}s (raise --pipeline-p2p-timeout, "
-                             f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
+        bounded_wait(work, self.host_waits, self.timeout, f"{what}: nothing arrived")
+
+
+def bounded_wait(work, on_host: bool, timeout: float, missing: str) -> None:
+    """Wait for `work`.  Off the host (NCCL) wait() makes the current (compute) stream wait for
+    the communication and returns: the host never blocks here (see the module docstring for
+    timeouts).  On the host (gloo) wait() blocks and honours `timeout`, with no spinning on
+    shared CPU cores; running out of it is a P2PTimeout saying `missing` and the flag to raise,
+    any other failure (a peer gone) is raised as it is."""
+    if not on_host:
+        work.wait()
+        return
+    start = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if time.monotonic() - start < timeout * 0.99 and "imeout" not in str(exc):
+            raise
+        raise P2PTimeout(f"{missing} within {timeout:g}s (raise --pipeline-p2p-timeout, "
+                         f"or get_forward_backward_func's p2p_timeout, to wait longer)") from exc
 
 
 def local_activation(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -130,10 +130,20 @@ def _job(rank, world_size, m):
     return out
 
 
-def _misuse(rank, pp, m):
-    """Configuration mistakes raise ConfigError on every rank before any message moves."""
+def _step_or_refusal(schedule, model, m):
+    """One training step's losses (this rank's: [] off the last rank), or the ConfigError's text."""
     from megatron_vshape.schedule.errors import ConfigError
 
+    try:
+        losses = _fb("local/", schedule)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
+                                         num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        return [d["loss"].item() for d in losses]
+    except ConfigError as exc:
+        return str(exc)
+
+
+def _misuse(rank, pp, m):
+    """Configuration mistakes raise ConfigError on every rank before any message moves."""
     sched = build("local/v/split/now", pp, m)
     messages = []
     for model, schedule, no_sync in [
@@ -143,12 +153,7 @@ def _misuse(rank, pp, m):
     ]:
         if no_sync is not None:
             model[0].config.no_sync_func = no_sync
-        try:
-            _fb("local/", schedule)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
-                                   num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-            messages.append(None)
-        except ConfigError as exc:
-            messages.append(str(exc))
+        messages.append(_step_or_refusal(schedule, model, m))
     # Ranks that planned differently are refused on every rank before any message moves: other
     # messages, or other W's alone (a tensor-parallel W may gather); with the same planner sources
     # (other flags) or other ones (another megatron_vshape on a node, as rank 0's here), while
@@ -161,13 +166,8 @@ def _misuse(rank, pp, m):
         mine = build(first, pp, m) if rank == 0 else sched
         if rank == 0 and sources != real:
             plan_cache.code_version = lambda: sources
-        model = _chunks(mine, rank, _config())
         try:
-            losses = _fb("local/", mine)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
-                                         num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-            messages.append([d["loss"].item() for d in losses])
-        except ConfigError as exc:
-            messages.append(str(exc))
+            messages.append(_step_or_refusal(mine, _chunks(mine, rank, _config()), m))
         finally:
             plan_cache.code_version = real
     return messages
@@ -266,7 +266,6 @@ def _apart_job(rank, world_size, tp, ep):
     """Two pipelines of two ranks, each agreeing within itself, on different schedules: tensor-
     parallel peers (tp=2), or data-parallel replicas that share experts (ep=2)."""
     from megatron_vshape.runtime.groups import destroy_megatron, init_megatron
-    from megatron_vshape.schedule.errors import ConfigError
     from megatron.core import parallel_state as ps
 
     init_megatron(tp=tp, pp=2, expert_model_parallel_size=ep)
@@ -276,12 +275,7 @@ def _apart_job(rank, world_size, tp, ep):
     cfg = _config()
     model = [Stage(cfg, s, sched.placement.num_stages, tp_rank, tp)
              for s in sched.placement.stages_of(ps.get_pipeline_model_parallel_rank())]
-    try:
-        _fb("local/", sched)(forward_step_func=forward_step, data_iterator=_iters(model, m), model=model,
-                             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-        said = None
-    except ConfigError as exc:
-        said = str(exc)
+    said = _step_or_refusal(sched, model, m)
     destroy_megatron()
     return said
 
